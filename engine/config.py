@@ -1,0 +1,65 @@
+"""Engine configuration: plain dataclasses whose fields are the knobs vLLM users know."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+SchedulingPolicy = Literal["fifo", "srtf"]
+LoadFormat = Literal["auto", "gguf", "safetensors", "dummy"]
+KVRole = Literal["producer", "consumer", "both"]
+
+
+@dataclass
+class ModelConfig:
+    # A model id, a HF folder (config.json + safetensors), a .gguf file, or
+    # "smollm2" / "HuggingFaceTB/SmolLM2-135M-Instruct" for the embedded model.
+    model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    load_format: LoadFormat = "auto"
+    dtype: str = "auto"  # "auto": float32 on CPU, bfloat16 on CUDA
+    max_model_len: Optional[int] = None  # None: the model's own limit
+    seed: int = 0  # seeds dummy weights
+    # A transformers PretrainedConfig, when the caller already has one (tests,
+    # dummy weights); otherwise read from `model`.
+    hf_config: Optional[object] = None
+    tokenizer: Optional[str] = None  # defaults to `model`
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    # Number of KV blocks. None: sized from free memory (CUDA, see
+    # gpu_memory_utilization) or from cpu_kv_cache_gib on the CPU.
+    num_blocks: Optional[int] = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gib: float = 1.0
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 8192  # the token budget of one step
+    max_num_seqs: int = 256
+    policy: SchedulingPolicy = "fifo"
+    staging_queue_size: int = 8  # two-level SRTF (thesis 4.5.3)
+    # Prefill chunks are at most this long (0: only the token budget limits them).
+    long_prefill_token_threshold: int = 0
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    enforce_eager: bool = False  # True: no CUDA graphs
+    # Where KV goes besides the local cache: None for a colocated engine.
+    kv_connector: Optional[str] = None  # "kvstore" | "lmcache"
+    kv_connector_url: Optional[str] = None  # e.g. "127.0.0.1:50081"
+    kv_role: KVRole = "both"
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"

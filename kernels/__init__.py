@@ -1,0 +1,10 @@
+"""Attention ops over the paged KV cache.
+
+Each op has a plain-torch twin (runs on the CPU, and is the oracle for the
+Triton kernels in tests) and, on CUDA, a Triton kernel behind the same
+signature. `tandem.kernels.ops` picks one.
+"""
+from tandem.kernels.metadata import AttentionMetadata
+from tandem.kernels.ops import paged_attention, write_kv
+
+__all__ = ["AttentionMetadata", "paged_attention", "write_kv"]

@@ -1,0 +1,1 @@
+"""tandem's services: router, prefill, decode, kvstore, and what they share (common)."""
