@@ -1,0 +1,98 @@
+"""Per-request block tables on top of the block pool: prefix-cache lookup,
+on-demand allocation (one partial block per sequence at most), and freeing."""
+from __future__ import annotations
+
+from typing import Optional
+
+from tandem.engine.block_hash import extend_block_hashes
+from tandem.engine.block_pool import BlockHash, BlockPool, KVCacheBlock
+from tandem.engine.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 hash_extra: bytes = b"") -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.hash_extra = hash_extra  # e.g. the model id: blocks of different models never match
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self._num_hashed: dict[str, int] = {}  # leading blocks of a request already named in the pool
+        self._hashes: dict[str, list[BlockHash]] = {}
+
+    def block_hashes(self, request: Request) -> list[BlockHash]:
+        hashes = self._hashes.setdefault(request.request_id, [])
+        return extend_block_hashes(hashes, request.all_token_ids, self.block_size, self.hash_extra)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest run of leading blocks already in the cache, and their token count.
+
+        At least one token is always left to compute: the last one's logits are
+        needed to sample.
+        """
+        if not self.enable_caching:
+            return [], 0
+        hashes = self.block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: Optional[list[KVCacheBlock]] = None,
+                       num_external_tokens: int = 0) -> Optional[list[KVCacheBlock]]:
+        """Make room for the tokens this step computes (or loads); None if blocks run out.
+
+        new_computed_blocks are local prefix-cache hits (already counted in
+        request.num_computed_tokens by the caller only after success);
+        num_external_tokens arrive through the KV connector into fresh blocks.
+        """
+        new_computed_blocks = new_computed_blocks or []
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_hit_tokens = len(new_computed_blocks) * self.block_size
+        total = request.num_computed_tokens + num_hit_tokens + num_external_tokens + num_new_tokens
+        num_needed = -(-total // self.block_size) - len(blocks) - len(new_computed_blocks)
+        # Hit blocks that are free leave the free queue when touched.
+        num_hits_in_free_queue = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_needed > self.pool.num_free_blocks - num_hits_in_free_queue:
+            return None
+        self.pool.touch(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        new_blocks = self.pool.allocate(max(num_needed, 0))
+        blocks.extend(new_blocks)
+        self._cache_full_blocks(request, blocks, min(total, request.num_tokens))
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
+        # Blocks are named as soon as they will be full after this step: a
+        # request scheduled in the same step reads them after this step's
+        # K/V writes (every layer writes the whole batch's K/V before attention).
+        if not self.enable_caching:
+            return
+        hashes = self.block_hashes(request)
+        num_full = min(num_tokens // self.block_size, len(hashes))
+        start = self._num_hashed.get(request.request_id, 0)
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], hashes[i])
+        self._num_hashed[request.request_id] = max(start, num_full)
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.pool.free(reversed(blocks))
+        self._num_hashed.pop(request.request_id, None)
+
+    def forget(self, request: Request) -> None:
+        """Drop per-request bookkeeping once the request is gone for good."""
+        self.free(request)
+        self._hashes.pop(request.request_id, None)
+
+    def block_ids(self, request: Request) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request.request_id, [])]
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage()

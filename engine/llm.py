@@ -1,0 +1,107 @@
+"""Offline use: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional, Sequence, Union
+
+from tandem.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.request import SamplingParams, TokenLogprob
+
+Prompt = Union[str, Sequence[int]]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finish_reason: Optional[str]
+    stop_reason: Any = None
+
+
+@dataclass
+class GenerateOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+
+def build_config(model: str, **kwargs: Any) -> EngineConfig:
+    """EngineConfig from flat keyword arguments named as the dataclass fields
+    (block_size=..., max_num_batched_tokens=..., dtype=...)."""
+    groups = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+    parts: dict[str, dict[str, Any]] = {k: {} for k in groups}
+    top: dict[str, Any] = {}
+    names = {k: {f.name for f in fields(cls)} for k, cls in groups.items()}
+    top_names = {f.name for f in fields(EngineConfig)} - set(groups)
+    for key, value in kwargs.items():
+        group = next((g for g, n in names.items() if key in n), None)
+        if group is not None:
+            parts[group][key] = value
+        elif key in top_names:
+            top[key] = value
+        else:
+            raise TypeError(f"unknown engine option {key!r}")
+    return EngineConfig(model=ModelConfig(model=model, **parts["model"]),
+                        cache=CacheConfig(**parts["cache"]),
+                        scheduler=SchedulerConfig(**parts["scheduler"]), **top)
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2", **kwargs: Any) -> None:
+        self.engine = LLMEngine(build_config(model, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt)["input_ids"]
+        return list(prompt)
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def chat(self, messages: list[dict[str, str]], params: Optional[SamplingParams] = None) -> GenerateOutput:
+        return self.generate([self.chat_prompt(messages)], params)[0]
+
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
+                 params: Union[SamplingParams, Sequence[SamplingParams], None] = None) -> list[GenerateOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = (list(params) if isinstance(params, (list, tuple))
+                       else [params or SamplingParams()] * len(prompts))
+        if len(params_list) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        results: list[GenerateOutput] = []
+        children: dict[str, tuple[GenerateOutput, CompletionOutput]] = {}
+        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+            ids = self.encode(prompt)
+            result = GenerateOutput(request_id=str(i), prompt_token_ids=ids)
+            results.append(result)
+            # Parallel sampling: n requests over one prompt. The prefix cache
+            # shares the prompt's blocks among them.
+            for j in range(p.n):
+                child = copy.copy(p)
+                child.n = 1
+                if p.seed is not None:
+                    child.seed = p.seed + j
+                rid = f"{i}#{j}"
+                completion = CompletionOutput(index=j, text="", token_ids=[], logprobs=[], finish_reason=None)
+                result.outputs.append(completion)
+                children[rid] = (result, completion)
+                self.engine.add_request(rid, ids, child)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                result, completion = children[out.request_id]
+                completion.token_ids.extend(out.new_token_ids)
+                completion.text += out.new_text
+                completion.logprobs.extend(out.new_logprobs)
+                if out.finished:
+                    completion.finish_reason = out.finish_reason
+                    completion.stop_reason = out.stop_reason
+                    result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens)
+        return results

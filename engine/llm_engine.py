@@ -1,0 +1,267 @@
+"""The engine: add_request / step / abort, and the offline `LLM.generate`.
+
+One step = schedule -> (load KV) -> run the model -> (save KV) -> sample ->
+apply stop rules -> emit outputs. All of it runs on one thread; the asyncio
+wrapper for services lives in async_engine.py.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence, Union
+
+from tandem.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tandem.engine.detokenizer import Detokenizer
+from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.loader import ModelInfo, load_model_info
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.request import (Request, RequestStatus, SamplingParams, SamplingParamsError,
+                                   TokenLogprob)
+from tandem.engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (deltas), plus running totals."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[TokenLogprob]
+    finished: bool
+    finish_reason: Optional[str]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    num_external_tokens: int
+    block_hashes: list[str] = field(default_factory=list)
+    stop_reason: Optional[Union[str, int]] = None
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_waiting_prompt_tokens: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens_computed: int
+    prompt_tokens_local_hit: int
+    prompt_tokens_external: int
+    generation_tokens: int
+    kv_save_bytes: int = 0
+    kv_load_bytes: int = 0
+    kv_save_blocks: int = 0
+    kv_load_blocks: int = 0
+    kv_save_seconds: float = 0.0
+    kv_load_seconds: float = 0.0
+    recompute_fallbacks: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, info: Optional[ModelInfo] = None) -> None:
+        self.config = config
+        mc = config.model
+        self.info = info or load_model_info(mc.model, mc.load_format, mc.hf_config, mc.tokenizer,
+                                            mc.max_model_len)
+        self.tokenizer = self.info.tokenizer
+        self.model_id = self.info.model_id
+        self.runner = ModelRunner(config, self.info)
+        block_size = config.cache.block_size
+        # The model id and dtype name the blocks: KV of another model or
+        # precision never matches, in this process or in a shared store.
+        self.hash_extra = f"{self.model_id}|{self.runner.dtype}".encode()
+        self.kv = KVCacheManager(self.runner.num_blocks, block_size,
+                                 config.cache.enable_prefix_caching, self.hash_extra)
+        capacity = (self.runner.num_blocks - 1) * block_size
+        self.max_model_len = min(self.info.max_model_len, capacity)
+        if self.max_model_len < self.info.max_model_len:
+            log.warning("KV cache holds %d tokens: max_model_len lowered from %d", capacity,
+                        self.info.max_model_len)
+        self.connector = self._make_connector()
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.kv, self.connector)
+        self.eos_token_id = self._eos_token_id()
+        self._detok: dict[str, Detokenizer] = {}
+        self._pending_first: dict[str, bool] = {}
+        self._prompt_computed = 0
+        self._prompt_local_hit = 0
+        self._prompt_external = 0
+        self._generation_tokens = 0
+        self._ids = itertools.count()
+
+    def _eos_token_id(self) -> Optional[int]:
+        eos = getattr(self.info.hf_config, "eos_token_id", None)
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = self.tokenizer.eos_token_id
+        return eos
+
+    def _make_connector(self):
+        kind = self.config.kv_connector
+        if kind is None:
+            return None
+        if kind == "kvstore":
+            from tandem.engine.connector.kvstore import KVStoreConnector
+
+            return KVStoreConnector(self.config, self.kv, self.runner)
+        if kind == "lmcache":
+            from tandem.engine.connector.lmcache import LMCacheConnector
+
+            return LMCacheConnector(self.config, self.kv, self.runner)
+        raise ValueError(f"kv_connector must be 'kvstore' or 'lmcache', got {kind!r}")
+
+    # ---- requests ------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    first_token_ids: Optional[Sequence[int]] = None,
+                    arrival_time: Optional[float] = None) -> Request:
+        """Queue a request. first_token_ids: tokens already sampled elsewhere
+        (the prefill service's first token); generation continues after them."""
+        if params.n != 1:
+            raise SamplingParamsError("n: the engine takes n=1 per request; fan out n requests")
+        vocab = self.info.hf_config.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
+            raise SamplingParamsError(f"prompt: token ids must be integers in [0, {vocab})")
+        first = list(first_token_ids or [])
+        num_prompt = len(prompt_token_ids)
+        if num_prompt + len(first) >= self.max_model_len:
+            raise SamplingParamsError(
+                f"prompt: {num_prompt} tokens leave no room to generate within the model's context "
+                f"of {self.max_model_len} tokens")
+        if params.max_tokens is None:
+            params = copy.copy(params)
+            params.max_tokens = self.max_model_len - num_prompt
+        elif num_prompt + params.max_tokens > self.max_model_len:
+            raise SamplingParamsError(
+                f"max_tokens: prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"the model's context of {self.max_model_len} tokens")
+        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_id,
+                          arrival_time, output_token_ids=first)
+        detok = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+        if first:
+            detok.skip_already_sent(first)
+        self.scheduler.add_request(request)
+        self._detok[request_id] = detok
+        self._pending_first[request_id] = True
+        return request
+
+    def abort(self, request_ids: Union[str, Iterable[str]]) -> None:
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            if self.scheduler.abort(rid) is not None:
+                self._forget(rid)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def _forget(self, request_id: str) -> None:
+        self._detok.pop(request_id, None)
+        self._pending_first.pop(request_id, None)
+        self.runner.sampler.forget(request_id)
+
+    # ---- one step ------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        meta = plan.connector_meta
+        if self.connector is not None and meta is not None:
+            failed = self.connector.start_load(meta, self.runner.kv_caches)
+            for s in plan.scheduled:
+                if s.request.request_id in failed:
+                    # Slower, never wrong: compute what could not be loaded.
+                    self.scheduler.rollback_external(s, s.request.num_external_tokens)
+        for s in plan.scheduled:
+            self._count_prompt_tokens(s)
+        after_layer = None
+        if self.connector is not None and meta is not None and meta.saves:
+            after_layer = lambda layer: self.connector.save_layer(layer, self.runner.kv_caches, meta)  # noqa: E731
+        sampled, result = self.runner.execute(plan, after_layer)
+        if after_layer is not None:
+            self.connector.wait_for_save()
+        now = time.monotonic()
+        outputs = []
+        for s, token, logprob in zip(sampled, result.token_ids, result.logprobs):
+            outputs.append(self._append_and_check(s.request, token, logprob, now))
+        return outputs
+
+    def _count_prompt_tokens(self, s) -> None:
+        req = s.request
+        if self._pending_first.get(req.request_id) and s.start == req.num_cached_tokens + req.num_external_tokens:
+            self._prompt_local_hit += req.num_cached_tokens
+            self._prompt_external += req.num_external_tokens
+        prompt_end = req.num_prompt_tokens
+        computed_prompt = max(0, min(s.start + s.num_new_tokens, prompt_end) - s.start)
+        if req.num_preemptions == 0:
+            self._prompt_computed += computed_prompt
+
+    def _append_and_check(self, req: Request, token: int, logprob: Optional[TokenLogprob],
+                          now: float) -> RequestOutput:
+        req.append_token(token, logprob)
+        self._generation_tokens += 1
+        if req.first_token_time is None:
+            req.first_token_time = now
+        params = req.params
+        detok = self._detok[req.request_id]
+        status = None
+        if (token == req.eos_token_id and not params.ignore_eos
+                and req.num_output_tokens > params.min_tokens):
+            status = RequestStatus.FINISHED_STOPPED
+        elif token in params.stop_token_ids and req.num_output_tokens > params.min_tokens:
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        stop_str = detok.add([token])
+        if status is None and stop_str is not None:
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+        if status is None and (req.num_output_tokens >= params.max_tokens
+                               or req.num_tokens >= self.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        first = self._pending_first.pop(req.request_id, False)
+        hashes = [h.hex() for h in self.kv.block_hashes(req)[: req.num_prompt_tokens // self.kv.block_size]] if first else []
+        finished = status is not None
+        out = RequestOutput(
+            request_id=req.request_id, new_token_ids=[token], new_text=detok.delta(finished),
+            new_logprobs=[logprob] if logprob is not None else [], finished=finished,
+            finish_reason=status.value if finished else None, num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens, num_cached_tokens=req.num_cached_tokens,
+            num_external_tokens=req.num_external_tokens, block_hashes=hashes,
+            stop_reason=req.stop_reason)
+        if finished:
+            self.scheduler.finish(req, status)
+            self._forget(req.request_id)
+        return out
+
+    def stats(self) -> EngineStats:
+        sched = self.scheduler
+        waiting = list(sched.waiting_requests())
+        cs = self.connector.stats if self.connector is not None else None
+        return EngineStats(
+            num_running=len(sched.running), num_waiting=len(waiting),
+            num_waiting_prompt_tokens=sum(r.num_tokens - r.num_computed_tokens for r in waiting),
+            kv_cache_usage=self.kv.usage, num_free_blocks=self.kv.pool.num_free_blocks,
+            num_total_blocks=self.kv.pool.num_usable_blocks,
+            prefix_cache_queries=sched.stats.prefix_cache_queries,
+            prefix_cache_hits=sched.stats.prefix_cache_hits,
+            num_preemptions=sched.stats.num_preemptions,
+            prompt_tokens_computed=self._prompt_computed,
+            prompt_tokens_local_hit=self._prompt_local_hit,
+            prompt_tokens_external=self._prompt_external,
+            generation_tokens=self._generation_tokens,
+            kv_save_bytes=cs.save_bytes if cs else 0, kv_load_bytes=cs.load_bytes if cs else 0,
+            kv_save_blocks=cs.save_blocks if cs else 0, kv_load_blocks=cs.load_blocks if cs else 0,
+            kv_save_seconds=cs.save_seconds if cs else 0.0, kv_load_seconds=cs.load_seconds if cs else 0.0,
+            recompute_fallbacks=cs.load_failures if cs else 0)
+
+    def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.close()
+
+    def next_request_id(self) -> str:
+        return f"req-{next(self._ids)}"

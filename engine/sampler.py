@@ -1,0 +1,122 @@
+"""Next-token sampling for a batch of sequences with per-request parameters.
+
+Order of processing: penalties -> min_tokens masking -> temperature -> top-k
+-> top-p -> min-p -> draw. Logprobs are those of the model's raw distribution
+(before penalties and temperature), as OpenAI and vLLM report them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from tandem.engine.request import Request, TokenLogprob
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[Optional[TokenLogprob]]
+
+
+class Sampler:
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._generators: dict[str, torch.Generator] = {}
+        self._default = torch.Generator(device="cpu")
+        self._default.manual_seed(torch.initial_seed() & 0xFFFF_FFFF)
+
+    def forget(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def _generator(self, request: Request) -> torch.Generator:
+        seed = request.params.seed
+        if seed is None:
+            return self._default
+        g = self._generators.get(request.request_id)
+        if g is None:
+            g = torch.Generator(device="cpu")
+            g.manual_seed(seed)
+            self._generators[request.request_id] = g
+        return g
+
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SampleResult:
+        logits = logits[:, : self.vocab_size].float().cpu()
+        raw_logprobs = None
+        if any(r.params.logprobs is not None for r in requests):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._apply_penalties(logits, requests)
+        self._mask_early_stop(logits, requests)
+        tokens = self._draw(logits, requests)
+        logprobs: list[Optional[TokenLogprob]] = []
+        for i, (r, t) in enumerate(zip(requests, tokens)):
+            if r.params.logprobs is None:
+                logprobs.append(None)
+                continue
+            row = raw_logprobs[i]
+            top: dict[int, float] = {}
+            if r.params.logprobs > 0:
+                values, ids = torch.topk(row, r.params.logprobs)
+                top = dict(zip(ids.tolist(), values.tolist()))
+            logprobs.append(TokenLogprob(t, float(row[t]), top))
+        return SampleResult(tokens, logprobs)
+
+    def _apply_penalties(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        for i, r in enumerate(requests):
+            p = r.params
+            if p.repetition_penalty != 1.0:
+                # HF semantics: every token seen in prompt or output
+                seen = torch.tensor(sorted(set(r.all_token_ids)), dtype=torch.long)
+                seen = seen[seen < self.vocab_size]
+                values = logits[i, seen]
+                logits[i, seen] = torch.where(values > 0, values / p.repetition_penalty,
+                                              values * p.repetition_penalty)
+            if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
+                # OpenAI semantics: output tokens only
+                out = torch.tensor(r.output_token_ids, dtype=torch.long)
+                counts = torch.bincount(out, minlength=self.vocab_size)[: self.vocab_size].float()
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        return logits
+
+    def _mask_early_stop(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
+        for i, r in enumerate(requests):
+            if r.num_output_tokens >= r.params.min_tokens:
+                continue
+            banned = list(r.params.stop_token_ids)
+            if r.eos_token_id is not None and not r.params.ignore_eos:
+                banned.append(r.eos_token_id)
+            banned = [t for t in banned if t < self.vocab_size]
+            if banned:
+                logits[i, banned] = float("-inf")
+
+    def _draw(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+        greedy = [r.params.greedy for r in requests]
+        tokens = logits.argmax(dim=-1).tolist()
+        if all(greedy):
+            return tokens
+        for i, r in enumerate(requests):
+            if greedy[i]:
+                continue
+            probs = self._filtered_probs(logits[i], r)
+            tokens[i] = int(torch.multinomial(probs, 1, generator=self._generator(r)))
+        return tokens
+
+    @staticmethod
+    def _filtered_probs(row: torch.Tensor, r: Request) -> torch.Tensor:
+        p = r.params
+        row = row / p.temperature
+        if p.top_k and p.top_k > 0 and p.top_k < row.numel():
+            kth = torch.topk(row, p.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            cumulative = torch.cumsum(sorted_probs, dim=-1)
+            # keep the smallest prefix whose mass reaches top_p (always the top token)
+            drop = cumulative - sorted_probs >= p.top_p
+            sorted_probs[drop] = 0.0
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        if p.min_p > 0.0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        return probs / probs.sum()

@@ -1,0 +1,74 @@
+"""HF transformers as the oracle: greedy generation with per-step logprobs,
+and the rule for comparing against it."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class OracleRun:
+    tokens: list[int]
+    logprobs: list[float]  # of the chosen token
+    top5: list[dict[int, float]]
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id=None) -> OracleRun:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, eos_token_id=eos_token_id, pad_token_id=0,
+                             temperature=None, top_p=None, top_k=None)
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    logprobs, top5 = [], []
+    for step, tok in enumerate(tokens):
+        lp = torch.log_softmax(out.logits[step][0].float(), dim=-1)
+        logprobs.append(float(lp[tok]))
+        v, i = torch.topk(lp, 5)
+        top5.append(dict(zip(i.tolist(), v.tolist())))
+    return OracleRun(tokens, logprobs, top5)
+
+
+def compare_with_tie_rule(ours: list[int], our_top5: list[dict[int, float]], ref: OracleRun,
+                          exact: bool) -> int:
+    """Number of tokens compared. exact=True: every token must match. Otherwise
+    (random-weight models) a near tie may flip one token: accept it only when each
+    chosen token sits in the other's top-5 with logprobs within 1e-3, and stop there
+    (vLLM's rule)."""
+    n = min(len(ours), len(ref.tokens))
+    assert len(ours) == len(ref.tokens), f"lengths differ: {len(ours)} vs {len(ref.tokens)}"
+    for i in range(n):
+        if ours[i] == ref.tokens[i]:
+            continue
+        assert not exact, f"token {i} differs: ours {ours[i]} vs HF {ref.tokens[i]}\nours {ours}\nHF   {ref.tokens}"
+        a, b = ours[i], ref.tokens[i]
+        assert a in ref.top5[i] and b in our_top5[i], f"token {i}: {a} vs {b} is no near tie"
+        assert abs(ref.top5[i][a] - ref.top5[i][b]) < 1e-3, f"token {i}: not a near tie in HF"
+        assert abs(our_top5[i][a] - our_top5[i][b]) < 1e-3, f"token {i}: not a near tie in ours"
+        return i
+    return n
+
+
+def tiny_model_dir(tmp_path, arch: str, seed: int = 0) -> tuple[str, object]:
+    """Save a tiny random-weight Llama or Qwen3 as a HF folder; return (path, HF model)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.3,
+                  eos_token_id=1, bos_token_id=0, pad_token_id=0)
+    if arch == "llama":
+        config = LlamaConfig(**common)
+        model = LlamaForCausalLM(config)
+    elif arch == "qwen3":
+        config = Qwen3Config(head_dim=32, **common)
+        model = Qwen3ForCausalLM(config)
+    else:
+        raise ValueError(arch)
+    model = model.float().eval()
+    path = os.path.join(str(tmp_path), arch)
+    model.save_pretrained(path, safe_serialization=True)
+    return path, model
