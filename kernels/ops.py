@@ -6,7 +6,7 @@ import os
 import torch
 
 from tandem.kernels.metadata import AttentionMetadata
-from tandem.kernels.paged_attention_torch import paged_attention_torch, write_kv_torch
+from tandem.kernels.paged_attention_torch import paged_attention_torch_batched, write_kv_torch
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -30,4 +30,4 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         from tandem.kernels.attention_triton import paged_attention_triton
 
         return paged_attention_triton(query, kv_cache, meta, scale)
-    return paged_attention_torch(query, kv_cache, meta, scale)
+    return paged_attention_torch_batched(query, kv_cache, meta, scale)

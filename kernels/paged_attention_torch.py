@@ -52,7 +52,7 @@ def paged_attention_torch(query: torch.Tensor, kv_cache: torch.Tensor, meta: Att
     for i, seq_len in enumerate(seq_lens):
         qs, qe = starts[i], starts[i + 1]
         q_len = qe - qs
-        if q_len == 0:
+        if q_len == 0 or seq_len == 0:
             continue
         k, v = gather_context(kv_cache, meta.block_tables[i], seq_len)
         q = query[qs:qe].transpose(0, 1).float()  # [H, q_len, D]
@@ -64,4 +64,48 @@ def paged_attention_torch(query: torch.Tensor, kv_cache: torch.Tensor, meta: Att
             mask = torch.arange(seq_len).unsqueeze(0) <= positions  # [q_len, L]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         out[qs:qe] = o.transpose(0, 1).to(query.dtype)
+    return out
+
+
+def paged_attention_torch_batched(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                                  scale: float) -> torch.Tensor:
+    """The CPU serving path: every decode (one query token) of the batch in one
+    attention call over contexts padded to the longest; prefill sequences one
+    at a time (their cost is in the arithmetic, not the call count).
+
+    Same function as paged_attention_torch, which stays the oracle.
+    """
+    starts = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
+    seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
+    q_lens = [starts[i + 1] - starts[i] for i in range(len(seq_lens))]
+    decodes = [i for i, n in enumerate(q_lens) if n == 1]
+    if len(decodes) < 2:
+        return paged_attention_torch(query, kv_cache, meta, scale)
+    out = torch.empty_like(query)
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size = kv_cache.shape[2]
+    lens = torch.tensor([seq_lens[i] for i in decodes])
+    max_len = int(lens.max())
+    num_blocks = (max_len + block_size - 1) // block_size
+    rows = torch.tensor(decodes)
+    tables = meta.block_tables[rows, :num_blocks].long()  # [B, nb]
+    k = kv_cache[0][tables].flatten(1, 2)[:, :max_len]  # [B, L, Hkv, D]
+    v = kv_cache[1][tables].flatten(1, 2)[:, :max_len]
+    q_rows = torch.tensor([starts[i] for i in decodes])
+    q = query[q_rows].unsqueeze(2).float()  # [B, H, 1, D]
+    mask = (torch.arange(max_len).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]  # [B, 1, 1, L]
+    o = F.scaled_dot_product_attention(q, k.transpose(1, 2).float(), v.transpose(1, 2).float(),
+                                       attn_mask=mask, scale=scale, enable_gqa=True)
+    out[q_rows] = o.squeeze(2).to(query.dtype)
+    prefills = [i for i, n in enumerate(q_lens) if n > 1]
+    if prefills:
+        # reuse the oracle on a metadata view holding only the prefill sequences
+        sub = AttentionMetadata(
+            slot_mapping=meta.slot_mapping, query_start_loc=meta.query_start_loc,
+            seq_lens=meta.seq_lens, block_tables=meta.block_tables, max_query_len=meta.max_query_len,
+            max_seq_len=meta.max_seq_len, query_start_loc_cpu=starts,
+            seq_lens_cpu=[seq_lens[i] if q_lens[i] > 1 else 0 for i in range(len(seq_lens))])
+        partial = paged_attention_torch(query, kv_cache, sub, scale)
+        for i in prefills:
+            out[starts[i]:starts[i + 1]] = partial[starts[i]:starts[i + 1]]
     return out

@@ -83,12 +83,22 @@ def start_grpc_server(add_servicers: Callable[[grpc.Server], list[str]], host: s
     return RunningServer(server=server, port=bound, health=health_servicer)
 
 
+# A peer that restarts (a kvstore or decode pod) should be retried within
+# seconds, not after gRPC's default back-off of up to two minutes.
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+
 def make_channel(target: str, tls: Optional[TLSConfig] = None) -> grpc.Channel:
-    """A client channel to another role, with the same message limits."""
+    """A client channel to another role, with the same message limits and a short reconnect back-off."""
+    options = CHANNEL_OPTIONS + RECONNECT_OPTIONS
     if tls and tls.ca_file:
         creds = grpc.ssl_channel_credentials(
             root_certificates=_read(tls.ca_file),
             private_key=_read(tls.key_file) if tls.key_file else None,
             certificate_chain=_read(tls.cert_file) if tls.cert_file else None)
-        return grpc.secure_channel(target, creds, options=CHANNEL_OPTIONS)
-    return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        return grpc.secure_channel(target, creds, options=options)
+    return grpc.insecure_channel(target, options=options)

@@ -1,0 +1,142 @@
+"""`tandem bench throughput`: offline tokens/s of the engine against HF
+transformers `generate` on the same prompts and the same output lengths."""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+
+@dataclass
+class ThroughputResult:
+    system: str
+    num_prompts: int
+    input_tokens: int
+    output_tokens: int
+    seconds: float
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return (self.input_tokens + self.output_tokens) / self.seconds
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "throughput", help="offline throughput: engine vs HF transformers generate",
+        description="Generates the same seeded prompts with the tandem engine and with HF "
+                    "transformers `generate` (greedy, fixed output length, EOS ignored) and prints "
+                    "output tokens/s of each and their ratio.")
+    p.add_argument("--model", default="smollm2", help="model (default: the embedded SmolLM2)")
+    p.add_argument("--preset", default=None, help="dummy weights of an architecture: llama-3-8b, qwen3-0.6b")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"),
+                   help="prompt lengths drawn uniformly in [MIN, MAX] (default 32 256)")
+    p.add_argument("--output-len", type=int, default=64, help="tokens generated per prompt (default 64)")
+    p.add_argument("--hf-batch-size", type=int, default=16, help="HF generate batch size (left padding)")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF baseline")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-json", default=None, help="write results here")
+    p.set_defaults(handler=run)
+
+
+def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    # token ids from the middle of the vocabulary: ordinary tokens, no specials
+    return [[rng.randrange(1000, min(vocab, 30000)) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def run_engine(args, prompts) -> tuple[ThroughputResult, object]:
+    from tandem.engine import LLM, SamplingParams
+
+    kwargs = dict(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs)
+    if args.preset:
+        from tandem.bench.presets import preset_config
+
+        kwargs.update(load_format="dummy", hf_config=preset_config(args.preset))
+    llm = LLM(args.preset or args.model, **kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
+    _sync(llm.engine.runner.device)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    _sync(llm.engine.runner.device)
+    seconds = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    return ThroughputResult("tandem", len(prompts), sum(map(len, prompts)), produced, seconds), llm
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_hf(args, prompts, llm) -> ThroughputResult:
+    """HF transformers generate on the same weights (copied from the engine's model)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    runner = llm.engine.runner
+    config = llm.engine.info.hf_config
+    with torch.device(runner.device):
+        hf = AutoModelForCausalLM.from_config(config, dtype=runner.dtype).eval()
+    hf.load_state_dict(runner.model.state_dict(), strict=False)
+    produced = 0
+    start = time.perf_counter()
+    for i in range(0, len(prompts), args.hf_batch_size):
+        batch = prompts[i:i + args.hf_batch_size]
+        width = max(map(len, batch))
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for j, p in enumerate(batch):  # left padding, as decoder-only generation needs
+            ids[j, width - len(p):] = torch.tensor(p)
+            mask[j, width - len(p):] = 1
+        with torch.no_grad():
+            out = hf.generate(ids.to(runner.device), attention_mask=mask.to(runner.device),
+                              max_new_tokens=args.output_len, min_new_tokens=args.output_len,
+                              do_sample=False, pad_token_id=0, temperature=None, top_p=None, top_k=None)
+        produced += (out.shape[1] - width) * len(batch)
+    _sync(runner.device)
+    seconds = time.perf_counter() - start
+    return ThroughputResult("hf-transformers", len(prompts), sum(map(len, prompts)), produced, seconds)
+
+
+def run(args: argparse.Namespace) -> int:
+    vocab = 49152
+    if args.preset:
+        from tandem.bench.presets import preset_config
+
+        vocab = preset_config(args.preset).vocab_size
+    prompts = make_prompts(args.num_prompts, args.input_len[0], args.input_len[1], vocab, args.seed)
+    print(f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, {args.output_len} output "
+          "tokens each", file=sys.stderr)
+    ours, llm = run_engine(args, prompts)
+    results = [ours]
+    if not args.no_hf:
+        print("running the HF transformers baseline ...", file=sys.stderr)
+        results.append(run_hf(args, prompts, llm))
+    print(f"{'system':<18}{'seconds':>10}{'output tok/s':>15}{'total tok/s':>14}")
+    for r in results:
+        print(f"{r.system:<18}{r.seconds:>10.2f}{r.output_tokens_per_s:>15.1f}{r.total_tokens_per_s:>14.1f}")
+    ratio: Optional[float] = None
+    if len(results) == 2:
+        ratio = results[0].output_tokens_per_s / results[1].output_tokens_per_s
+        print(f"tandem / HF output throughput: {ratio:.2f}x")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"args": vars(args) | {"handler": None},
+                       "results": [asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in results],
+                       "ratio": ratio}, f, indent=2)
+    return 0
