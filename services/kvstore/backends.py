@@ -1,0 +1,257 @@
+"""Where the KV store keeps its blocks: a `Backend` is a map from string keys
+to opaque bytes with batch operations. Two implementations:
+
+- `MemoryBackend`: in-process, LRU, bounded by the bytes of the values it holds;
+- `RedisBackend`: a real Redis server; Redis decides eviction itself.
+
+Backends know nothing of gRPC; the server maps `BackendUnavailable` to the
+UNAVAILABLE status code.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional, Protocol, Sequence
+
+
+class BackendUnavailable(Exception):
+    """The backend cannot be reached (e.g. Redis is down); the request may succeed later."""
+
+
+@dataclass
+class BackendStats:
+    backend: str          # "memory" or "redis"
+    bytes: int            # memory: value bytes held; redis: Redis's used_memory
+    blocks: int           # values held
+    capacity_bytes: int   # 0: unbounded
+    hits: int             # keys found by get
+    misses: int           # keys not found by get
+    evictions: int        # values evicted to make room
+
+
+class Backend(Protocol):
+    def put(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
+        """Store each value under its key (replacing any old one); entry i says whether
+        items[i] was stored (False: refused, e.g. larger than the capacity)."""
+
+    def get(self, keys: Sequence[str]) -> list[Optional[bytes]]:
+        """One entry per key, None where the key is missing."""
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Presence per key; moves no bytes and does not count as a use."""
+
+    def delete(self, keys: Sequence[str]) -> int:
+        """Remove the keys; returns how many were present."""
+
+    def stats(self) -> BackendStats: ...
+
+    def close(self) -> None: ...
+
+
+class MemoryBackend:
+    """LRU map bounded by bytes.
+
+    Invariants (under `_lock`): `_bytes` is the sum of len(value) over
+    `_values`, and `_bytes <= capacity_bytes`. `_values` is ordered from least
+    to most recently used; put and get (of a present key) move a key to the
+    end, exists does not (a probe is not a use). Keys are not counted in the
+    bound: they are small next to KV blocks.
+    """
+
+    name = "memory"
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self._values: OrderedDict[str, bytes] = OrderedDict()
+        self._bytes = 0
+        self._hits = 0
+        self._misses = 0
+        self._evictions = 0
+        self._lock = threading.Lock()
+
+    def put(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
+        stored: list[bool] = []
+        with self._lock:
+            for key, value in items:
+                # Refused before anything is evicted: storing it would empty
+                # the whole store and still not fit.
+                if len(value) > self.capacity_bytes:
+                    stored.append(False)
+                    continue
+                old = self._values.pop(key, None)
+                if old is not None:
+                    self._bytes -= len(old)
+                while self._bytes + len(value) > self.capacity_bytes:
+                    _, evicted = self._values.popitem(last=False)
+                    self._bytes -= len(evicted)
+                    self._evictions += 1
+                self._values[key] = bytes(value)
+                self._bytes += len(value)
+                stored.append(True)
+        return stored
+
+    def get(self, keys: Sequence[str]) -> list[Optional[bytes]]:
+        out: list[Optional[bytes]] = []
+        with self._lock:
+            for key in keys:
+                value = self._values.get(key)
+                if value is None:
+                    self._misses += 1
+                else:
+                    self._values.move_to_end(key)
+                    self._hits += 1
+                out.append(value)
+        return out
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        with self._lock:
+            return [key in self._values for key in keys]
+
+    def delete(self, keys: Sequence[str]) -> int:
+        deleted = 0
+        with self._lock:
+            for key in keys:
+                value = self._values.pop(key, None)
+                if value is not None:
+                    self._bytes -= len(value)
+                    deleted += 1
+        return deleted
+
+    def keys_lru_first(self) -> list[str]:
+        """The keys from least to most recently used (for tests and debugging)."""
+        with self._lock:
+            return list(self._values)
+
+    def stats(self) -> BackendStats:
+        with self._lock:
+            return BackendStats(backend=self.name, bytes=self._bytes, blocks=len(self._values),
+                                capacity_bytes=self.capacity_bytes, hits=self._hits,
+                                misses=self._misses, evictions=self._evictions)
+
+    def close(self) -> None:
+        with self._lock:
+            self._values.clear()
+            self._bytes = 0
+
+
+class RedisBackend:
+    """Blocks in a real Redis, one string key per block, keys exactly as given.
+
+    Eviction is Redis's own: run Redis with `maxmemory` and a policy such as
+    `allkeys-lru` so it drops old blocks instead of refusing writes (with the
+    default `noeviction`, a full Redis makes put fail, which the server reports
+    as UNAVAILABLE). Use a database of its own: `blocks` counts every key in it.
+
+    Timeouts are short and retries few on purpose: a client of the store gives
+    up after its own deadline and recomputes, so an unreachable Redis must be
+    reported in about a second, not after redis-py's default backoff.
+    """
+
+    name = "redis"
+    # Keys per MGET/EXISTS/pipeline: bounds one reply (blocks are MiBs each).
+    BATCH_KEYS = 16
+
+    def __init__(self, url: str, connect_timeout_s: float = 1.0, timeout_s: float = 5.0) -> None:
+        import redis
+        from redis.backoff import ExponentialBackoff
+        from redis.retry import Retry
+
+        self.url = url
+        # One retry: after a Redis restart each pooled connection fails once on
+        # its dead socket; the retry reconnects.
+        self._client = redis.Redis.from_url(
+            url, socket_connect_timeout=connect_timeout_s, socket_timeout=timeout_s,
+            retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), retries=1),
+            retry_on_error=[redis.exceptions.ConnectionError, redis.exceptions.TimeoutError])
+        self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+        self._redis_error = redis.exceptions.RedisError
+        self._hits = 0
+        self._misses = 0
+        self._counts_lock = threading.Lock()
+
+    def _call(self, what: str, fn):
+        """Run fn(); Redis being unreachable (or refusing writes) becomes BackendUnavailable."""
+        try:
+            return fn()
+        except self._errors as exc:
+            raise BackendUnavailable(
+                f"Redis at {self.url} is unreachable during {what} ({exc}); check that it runs "
+                f"and the URL is right, or start the store with --backend memory") from exc
+        except self._redis_error as exc:  # e.g. OOM under maxmemory with noeviction
+            raise BackendUnavailable(f"Redis at {self.url} refused {what}: {exc}") from exc
+
+    @classmethod
+    def _batches(cls, seq: Sequence):
+        for i in range(0, len(seq), cls.BATCH_KEYS):
+            yield seq[i:i + cls.BATCH_KEYS]
+
+    def put(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
+        def run() -> list[bool]:
+            for batch in self._batches(items):
+                pipe = self._client.pipeline(transaction=False)
+                for key, value in batch:
+                    pipe.set(key, value)
+                pipe.execute()
+            return [True] * len(items)
+        return self._call("put", run)
+
+    def get(self, keys: Sequence[str]) -> list[Optional[bytes]]:
+        def run() -> list[Optional[bytes]]:
+            out: list[Optional[bytes]] = []
+            for batch in self._batches(keys):
+                out.extend(self._client.mget(batch))
+            return out
+        values = self._call("get", run)
+        found = sum(v is not None for v in values)
+        with self._counts_lock:
+            self._hits += found
+            self._misses += len(values) - found
+        return values
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        # EXISTS of several keys returns only a count, so one EXISTS per key,
+        # pipelined: one round trip per batch.
+        def run() -> list[bool]:
+            out: list[bool] = []
+            for batch in self._batches(keys):
+                pipe = self._client.pipeline(transaction=False)
+                for key in batch:
+                    pipe.exists(key)
+                out.extend(bool(n) for n in pipe.execute())
+            return out
+        return self._call("exists", run)
+
+    def delete(self, keys: Sequence[str]) -> int:
+        if not keys:
+            return 0
+        return int(self._call("delete", lambda: sum(
+            self._client.delete(*batch) for batch in self._batches(keys))))
+
+    def stats(self) -> BackendStats:
+        def run() -> tuple[dict, int]:
+            return self._client.info(), self._client.dbsize()
+        info, blocks = self._call("stats", run)
+        with self._counts_lock:
+            hits, misses = self._hits, self._misses
+        return BackendStats(backend=self.name, bytes=int(info.get("used_memory", 0)), blocks=int(blocks),
+                            capacity_bytes=int(info.get("maxmemory", 0)), hits=hits, misses=misses,
+                            evictions=int(info.get("evicted_keys", 0)))
+
+    def ping(self) -> None:
+        """Raise BackendUnavailable unless Redis answers."""
+        self._call("ping", self._client.ping)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def open_backend(spec: str, capacity_bytes: int) -> Backend:
+    """`memory` or a `redis://` / `rediss://` / `unix://` URL."""
+    if spec == "memory":
+        return MemoryBackend(capacity_bytes)
+    if spec.startswith(("redis://", "rediss://", "unix://")):
+        return RedisBackend(spec)
+    raise ValueError(f"unknown backend {spec!r}: use 'memory' or a URL such as redis://127.0.0.1:6379/0")

@@ -1,0 +1,159 @@
+"""The KV store's backends without the network in between: the memory backend's
+LRU bounded by bytes, and the Redis backend against a real redis-server."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tandem.services.kvstore.backends import (BackendUnavailable, MemoryBackend, RedisBackend,
+                                              open_backend)
+from tandem.services.kvstore.server import parse_size
+from tests.support.redis_server import RedisServer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# --- memory ----------------------------------------------------------------------------
+
+def test_memory_round_trip_and_missing_keys():
+    store = MemoryBackend(capacity_bytes=1000)
+    assert store.put([("a", b"x" * 10), ("b", b"")]) == [True, True]
+    assert store.get(["a", "missing", "b"]) == [b"x" * 10, None, b""]
+    assert store.exists(["a", "missing", "b"]) == [True, False, True]
+    stats = store.stats()
+    assert (stats.backend, stats.bytes, stats.blocks, stats.capacity_bytes) == ("memory", 10, 2, 1000)
+    assert (stats.hits, stats.misses, stats.evictions) == (2, 1, 0)
+
+
+def test_memory_evicts_least_recently_used_first():
+    store = MemoryBackend(capacity_bytes=30)
+    store.put([("a", b"1" * 10), ("b", b"2" * 10), ("c", b"3" * 10)])
+    store.get(["a"])  # a is now the most recent; b the least
+    store.put([("d", b"4" * 10)])
+    assert store.exists(["a", "b", "c", "d"]) == [True, False, True, True]
+    assert store.keys_lru_first() == ["c", "a", "d"]
+    assert store.stats().evictions == 1
+
+
+def test_memory_exists_does_not_refresh_recency():
+    store = MemoryBackend(capacity_bytes=20)
+    store.put([("a", b"1" * 10), ("b", b"2" * 10)])
+    assert store.exists(["a"]) == [True]
+    store.put([("c", b"3" * 10)])
+    assert store.exists(["a", "b", "c"]) == [False, True, True]
+
+
+def test_memory_stays_within_its_byte_bound_and_counts_every_eviction():
+    store = MemoryBackend(capacity_bytes=1000)
+    sizes = [137, 250, 999, 1, 400, 400, 400, 3, 1000, 64] * 5
+    held: dict[str, int] = {}
+    for i, size in enumerate(sizes):
+        store.put([(f"k{i}", os.urandom(size))])
+        stats = store.stats()
+        assert stats.bytes <= 1000
+        held = {k: len(v) for k, v in zip(store.keys_lru_first(), store.get(store.keys_lru_first()))}
+        assert stats.bytes == sum(held.values())
+    stats = store.stats()
+    assert stats.evictions == len(sizes) - stats.blocks  # each put stored one new key
+
+
+def test_memory_replacing_a_key_does_not_count_its_old_bytes():
+    store = MemoryBackend(capacity_bytes=100)
+    store.put([("a", b"x" * 60)])
+    store.put([("a", b"y" * 80)])
+    assert store.stats().bytes == 80
+    assert store.stats().evictions == 0
+    assert store.get(["a"]) == [b"y" * 80]
+
+
+def test_memory_refuses_a_value_larger_than_its_capacity_without_evicting():
+    store = MemoryBackend(capacity_bytes=100)
+    store.put([("small", b"s" * 50)])
+    assert store.put([("huge", b"h" * 101), ("fits", b"f" * 50)]) == [False, True]
+    assert store.exists(["huge", "small", "fits"]) == [False, True, True]
+    assert store.stats().evictions == 0
+
+
+def test_memory_delete():
+    store = MemoryBackend(capacity_bytes=100)
+    store.put([("a", b"1" * 10), ("b", b"2" * 10)])
+    assert store.delete(["a", "missing"]) == 1
+    assert store.stats().bytes == 10
+    assert store.get(["a"]) == [None]
+
+
+def test_memory_rejects_a_non_positive_capacity():
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        MemoryBackend(capacity_bytes=0)
+
+
+def test_open_backend_names_what_it_accepts():
+    assert isinstance(open_backend("memory", 10), MemoryBackend)
+    with pytest.raises(ValueError, match="redis://"):
+        open_backend("memcached://x", 10)
+
+
+def test_sizes_on_the_command_line():
+    assert parse_size("2GiB") == 2 * 2**30
+    assert parse_size("512Mi") == 512 * 2**20
+    assert parse_size("1GB") == 10**9
+    assert parse_size("1.5KiB") == 1536
+    assert parse_size("4096") == 4096
+    for bad in ("", "lots", "2XB", "0"):
+        with pytest.raises(Exception, match="size"):
+            parse_size(bad)
+
+
+# --- redis -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def redis_server():
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_backend(redis_server):
+    backend = RedisBackend(redis_server.url)
+    backend._client.flushdb()
+    yield backend
+    backend.close()
+
+
+def test_redis_round_trip_in_batches(redis_backend):
+    items = [(f"model/{i:04x}/0", os.urandom(1000 + i)) for i in range(50)]  # > one batch
+    assert redis_backend.put(items) == [True] * 50
+    keys = [k for k, _ in items]
+    assert redis_backend.get(keys + ["model/none/0"]) == [v for _, v in items] + [None]
+    assert redis_backend.exists(["model/none/0", keys[0], keys[-1]]) == [False, True, True]
+    stats = redis_backend.stats()
+    assert (stats.backend, stats.blocks, stats.hits, stats.misses) == ("redis", 50, 50, 1)
+    assert stats.bytes > sum(len(v) for _, v in items)  # used_memory includes Redis's own
+    assert redis_backend.delete(keys[:10] + ["model/none/0"]) == 10
+    assert redis_backend.stats().blocks == 40
+
+
+def test_redis_empty_value_is_found(redis_backend):
+    redis_backend.put([("empty", b"")])
+    assert redis_backend.get(["empty"]) == [b""]
+
+
+def test_redis_down_raises_backend_unavailable_then_recovers(redis_server):
+    backend = RedisBackend(redis_server.url)
+    try:
+        backend.put([("k", b"v")])
+        redis_server.stop()
+        with pytest.raises(BackendUnavailable, match="unreachable"):
+            backend.get(["k"])
+        with pytest.raises(BackendUnavailable):
+            backend.stats()
+        redis_server.start()
+        # No persistence: the restarted Redis is empty, and the same backend works again.
+        assert backend.get(["k"]) == [None]
+        backend.put([("k", b"v2")])
+        assert backend.get(["k"]) == [b"v2"]
+    finally:
+        backend.close()
+        if not redis_server.running:
+            redis_server.start()
