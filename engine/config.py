@@ -53,7 +53,7 @@ class EngineConfig:
     device: str = "auto"  # "auto": cuda when available, else cpu
     enforce_eager: bool = False  # True: no CUDA graphs
     # Where KV goes besides the local cache: None for a colocated engine.
-    kv_connector: Optional[str] = None  # "kvstore" | "lmcache"
+    kv_connector: Optional[str] = None  # "kvstore" (LMCache: see docs/architecture.md)
     kv_connector_url: Optional[str] = None  # e.g. "127.0.0.1:50081"
     kv_role: KVRole = "both"
 

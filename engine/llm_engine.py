@@ -115,10 +115,11 @@ class LLMEngine:
 
             return KVStoreConnector(self.config, self.kv, self.runner)
         if kind == "lmcache":
-            from tandem.engine.connector.lmcache import LMCacheConnector
-
-            return LMCacheConnector(self.config, self.kv, self.runner)
-        raise ValueError(f"kv_connector must be 'kvstore' or 'lmcache', got {kind!r}")
+            # LMCache 0.5.x pins protobuf<7 and needs CUDA ops and cupy; it cannot be
+            # installed beside tandem's gRPC stack, so there is no adapter yet.
+            raise ValueError("kv_connector 'lmcache' is not available in this build; use 'kvstore' "
+                             "(see docs/architecture.md, 'KV connector')")
+        raise ValueError(f"kv_connector must be 'kvstore', got {kind!r}")
 
     # ---- requests ------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
