@@ -1,0 +1,192 @@
+"""Prometheus metrics of every tandem role, defined once.
+
+All series live in prometheus-client's default registry so any role can
+expose them: gRPC roles (prefill, decode, kvstore) call
+`start_metrics_server(port)`; the router returns `metrics_response()` from its
+FastAPI `/metrics` route.
+
+Every metric carries a `role` label; all but the kvstore ones also carry
+`model`.
+
+Exposition is always the classic text format 0.0.4, whatever the scraper's
+Accept header asks for: every Prometheus version parses it, while
+prometheus-client's OpenMetrics writer (as of 0.26) turns the colons of
+sample names into underscores unless the scraper asks for UTF-8 names, which
+Prometheus 2.x does not: `tandem:x_total` would arrive as `tandem_x_total`.
+
+The Helm chart's dashboards, HPA rules and KEDA triggers name only
+series in `ALL_METRIC_NAMES`, which tests/unit/test_helm_chart.py checks.
+
+prometheus-client appends `_total` to counters itself, so Counter objects are
+created without it: the exposed name is then exactly the one in the docs.
+"""
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+
+# Latency buckets (seconds). TTFT spans a cached short prompt (ms) to a long
+# prefill behind a queue (tens of s); ITL/TPOT a fast decode step (ms) to a
+# stalled one (s); e2e covers whole generations up to minutes.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
+                0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04,
+               0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 10.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+               30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+QUEUE_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# A KV transfer moves a few KiB to a few hundred MiB over loopback or the
+# cluster network: sub-ms to a few s.
+TRANSFER_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+ENGINE = ("role", "model")  # label names of every engine-role metric
+
+# --- engine roles (prefill, decode) -----------------------------------------
+NUM_REQUESTS_RUNNING = Gauge(
+    "tandem:num_requests_running", "Requests in the running batch.", ENGINE)
+NUM_REQUESTS_WAITING = Gauge(
+    "tandem:num_requests_waiting", "Requests queued, not yet scheduled.", ENGINE)
+NUM_WAITING_PROMPT_TOKENS = Gauge(
+    "tandem:num_waiting_prompt_tokens",
+    "Prompt tokens of queued requests still to be computed (prefill's load signal).", ENGINE)
+KV_CACHE_USAGE_PERC = Gauge(
+    "tandem:kv_cache_usage_perc", "Fraction of KV-cache blocks in use, 0..1.", ENGINE)
+
+PREFIX_CACHE_QUERIES = Counter(
+    "tandem:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", ENGINE)
+PREFIX_CACHE_HITS = Counter(
+    "tandem:prefix_cache_hits", "Prompt tokens found in the prefix cache.", ENGINE)
+PROMPT_TOKENS = Counter(
+    "tandem:prompt_tokens", "Prompt tokens processed.", ENGINE)
+GENERATION_TOKENS = Counter(
+    "tandem:generation_tokens", "Tokens generated.", ENGINE)
+NUM_PREEMPTIONS = Counter(
+    "tandem:num_preemptions", "Requests preempted for lack of KV blocks.", ENGINE)
+PROMPT_TOKENS_BY_SOURCE = Counter(
+    "tandem:prompt_tokens_by_source",
+    "Prompt tokens by where their KV came from: local_compute, local_cache_hit, external_kv_transfer.",
+    ENGINE + ("source",))
+REQUEST_SUCCESS = Counter(
+    "tandem:request_success", "Requests finished, by finished_reason.",
+    ENGINE + ("finished_reason",))
+
+TIME_TO_FIRST_TOKEN = Histogram(
+    "tandem:time_to_first_token_seconds", "Time from arrival to first token.",
+    ENGINE, buckets=TTFT_BUCKETS)
+INTER_TOKEN_LATENCY = Histogram(
+    "tandem:inter_token_latency_seconds", "Time between consecutive output tokens.",
+    ENGINE, buckets=ITL_BUCKETS)
+TIME_PER_OUTPUT_TOKEN = Histogram(
+    "tandem:time_per_output_token_seconds",
+    "Per request: (e2e - TTFT) / (output tokens - 1).", ENGINE, buckets=ITL_BUCKETS)
+E2E_REQUEST_LATENCY = Histogram(
+    "tandem:e2e_request_latency_seconds", "Time from arrival to the last token.",
+    ENGINE, buckets=E2E_BUCKETS)
+REQUEST_QUEUE_TIME = Histogram(
+    "tandem:request_queue_time_seconds", "Time a request waited before first scheduled.",
+    ENGINE, buckets=QUEUE_BUCKETS)
+
+# --- KV transfer (engine roles <-> kvstore) ----------------------------------
+KV_TRANSFER_BYTES = Counter(
+    "tandem:kv_transfer_bytes", "KV bytes moved to/from the kvstore.",
+    ENGINE + ("direction",))
+KV_TRANSFER_BLOCKS = Counter(
+    "tandem:kv_transfer_blocks", "KV blocks moved to/from the kvstore.",
+    ENGINE + ("direction",))
+KV_TRANSFER_SECONDS = Histogram(
+    "tandem:kv_transfer_seconds", "Duration of one KV save or load.",
+    ENGINE + ("direction",), buckets=TRANSFER_BUCKETS)
+KV_RECOMPUTE_FALLBACKS = Counter(
+    "tandem:kv_recompute_fallbacks",
+    "Requests whose KV could not be loaded and were recomputed locally.", ENGINE)
+
+# --- router ------------------------------------------------------------------
+ROUTER_REQUESTS = Counter(
+    "tandem:router_requests",
+    "Requests answered by the router, by status (HTTP code or gRPC code name).",
+    ENGINE + ("status",))
+ROUTER_ROUTING_DECISIONS = Counter(
+    "tandem:router_routing_decisions", "Requests sent to each backend instance.",
+    ENGINE + ("target_role", "instance"))
+ROUTER_PREFILL_SKIPPED = Counter(
+    "tandem:router_prefill_skipped",
+    "Requests sent straight to decode without a prefill hop.", ENGINE)
+ROUTER_REQUESTS_IN_FLIGHT = Gauge(
+    "tandem:router_requests_in_flight", "Requests the router is serving now.", ENGINE)
+ROUTER_TIME_TO_FIRST_TOKEN = Histogram(
+    "tandem:router_time_to_first_token_seconds", "TTFT as seen by the router's client.",
+    ENGINE, buckets=TTFT_BUCKETS)
+ROUTER_E2E_REQUEST_LATENCY = Histogram(
+    "tandem:router_e2e_request_latency_seconds", "End-to-end latency as seen by the client.",
+    ENGINE, buckets=E2E_BUCKETS)
+ROUTER_INTER_TOKEN_LATENCY = Histogram(
+    "tandem:router_inter_token_latency_seconds", "Gap between streamed tokens at the router.",
+    ENGINE, buckets=ITL_BUCKETS)
+
+# --- kvstore -----------------------------------------------------------------
+KVSTORE = ("role",)
+KVSTORE_BYTES = Gauge("tandem:kvstore_bytes", "Bytes of KV held.", KVSTORE)
+KVSTORE_BLOCKS = Gauge("tandem:kvstore_blocks", "KV blocks held.", KVSTORE)
+KVSTORE_HITS = Counter("tandem:kvstore_hits", "Block lookups that found the block.", KVSTORE)
+KVSTORE_MISSES = Counter("tandem:kvstore_misses", "Block lookups that missed.", KVSTORE)
+KVSTORE_EVICTIONS = Counter("tandem:kvstore_evictions", "Blocks evicted to stay within capacity.", KVSTORE)
+KVSTORE_PUTS = Counter("tandem:kvstore_puts", "Blocks stored.", KVSTORE)
+KVSTORE_BYTES_IN = Counter("tandem:kvstore_bytes_in", "Bytes received by puts.", KVSTORE)
+KVSTORE_BYTES_OUT = Counter("tandem:kvstore_bytes_out", "Bytes sent by gets.", KVSTORE)
+
+
+def _family_name(metric: object) -> str:
+    """The series family name as scraped: counters with `_total`."""
+    name = metric._name  # type: ignore[attr-defined]
+    return name + "_total" if isinstance(metric, Counter) else name
+
+
+# Every exported family name. Histograms are listed by base name; their
+# `_bucket`, `_sum` and `_count` series are implied.
+ALL_METRIC_NAMES: frozenset[str] = frozenset(
+    _family_name(m) for m in list(globals().values())
+    if isinstance(m, (Counter, Gauge, Histogram)))
+HISTOGRAM_NAMES: frozenset[str] = frozenset(
+    m._name for m in list(globals().values()) if isinstance(m, Histogram))  # type: ignore[attr-defined]
+
+
+def metrics_response() -> tuple[bytes, str]:
+    """(body, content type) for a /metrics route, in text format 0.0.4 (see
+    the module docstring for why never OpenMetrics)."""
+    return generate_latest(REGISTRY), CONTENT_TYPE_PLAIN_0_0_4
+
+
+class _MetricsHandler(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        if self.path.split("?")[0] not in ("/", "/metrics"):
+            self.send_error(404, "only /metrics is served here")
+            return
+        body, content_type = metrics_response()
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:  # scrapes are not news
+        pass
+
+
+def start_metrics_server(port: int, host: str = "0.0.0.0") -> None:
+    """Serve /metrics over HTTP on `port` in a daemon thread; port 0 disables it."""
+    if port == 0:
+        return
+    try:
+        server = ThreadingHTTPServer((host, port), _MetricsHandler)
+    except OSError as exc:
+        raise SystemExit(
+            f"error: cannot serve metrics on {host}:{port}: {exc}. "
+            "Pick a free port with --metrics-port, or 0 to turn metrics off.") from exc
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
