@@ -87,6 +87,7 @@ class LLMEngine:
         if self.max_model_len < self.info.max_model_len:
             log.warning("KV cache holds %d tokens: max_model_len lowered from %d", capacity,
                         self.info.max_model_len)
+        self.runner.enable_cuda_graphs(self.max_model_len)
         self.connector = self._make_connector()
         self.scheduler = Scheduler(config.scheduler, config.cache, self.kv, self.connector)
         self.eos_token_id = self._eos_token_id()

@@ -70,6 +70,15 @@ class ModelRunner:
                           for _ in range(self.num_layers)]
         log.info("model on %s (%s), %d KV blocks of %d tokens", self.device, self.dtype,
                  self.num_blocks, self.block_size)
+        self.graphs = None  # set by enable_cuda_graphs once the engine knows max_model_len
+
+    def enable_cuda_graphs(self, max_model_len: int) -> None:
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        from tandem.engine.cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.config.scheduler.max_num_seqs,
+                                   max_model_len, self.block_size, self.device)
 
     @property
     def block_bytes(self) -> int:
@@ -142,7 +151,11 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput, after_layer: Optional[Callable[[int], None]] = None
                 ) -> tuple[list[ScheduledRequest], SampleResult]:
         batch = self.prepare(plan)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, after_layer)
+        if (self.graphs is not None and after_layer is None and batch.meta.is_decode_only
+                and self.graphs.bucket(len(plan.scheduled)) is not None):
+            hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, after_layer)
         if not batch.sampling:
             return [], SampleResult([], [])
         logits = self.model.compute_logits(hidden[batch.logits_indices])

@@ -20,6 +20,12 @@ class SampleResult:
     logprobs: list[Optional[TokenLogprob]]
 
 
+def _plain_greedy(r: Request) -> bool:
+    p = r.params
+    return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty
+            and not p.frequency_penalty and r.num_output_tokens >= p.min_tokens)
+
+
 class Sampler:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
@@ -42,7 +48,11 @@ class Sampler:
         return g
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SampleResult:
-        logits = logits[:, : self.vocab_size].float().cpu()
+        logits = logits[:, : self.vocab_size]
+        if all(_plain_greedy(r) for r in requests):
+            # The common serving case: argmax where the logits are, move only ids.
+            return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(requests))
+        logits = logits.float().cpu()
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)

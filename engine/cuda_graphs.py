@@ -1,0 +1,85 @@
+"""CUDA graphs for decode steps (thesis 4.6): one graph per batch size bucket.
+
+A decode-only step's launches are captured once per bucket and replayed with
+the step's inputs copied into persistent buffers. Padding rows carry slot -1
+(no K/V write) and context length 0 (the attention kernels return zeros for
+them), so one graph serves every batch up to its bucket. The attention grid
+is sized for the longest context the engine allows, a bound fixed at capture.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+from typing import Optional
+
+import torch
+
+from tandem.kernels import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+class DecodeGraphs:
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], max_batch: int,
+                 max_model_len: int, block_size: int, device: torch.device) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.sizes = [b for b in BUCKETS if b <= max_batch] or [1]
+        self.max_model_len = max_model_len
+        n = self.sizes[-1]
+        max_blocks = -(-max_model_len // block_size)
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self._capture_all()
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:b], query_start_loc=self.query_start_loc[: b + 1],
+            seq_lens=self.seq_lens[:b], block_tables=self.block_tables[:b], max_query_len=1,
+            max_seq_len=self.max_model_len)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        for b in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
+            args = (self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b))
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
+                    self.model(*args)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[b] = self.model(*args)
+            self.graphs[b] = graph
+        torch.cuda.synchronize()
+        log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+
+    def bucket(self, num_seqs: int) -> Optional[int]:
+        i = bisect.bisect_left(self.sizes, num_seqs)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states of a decode-only batch (one token per sequence)."""
+        n = input_ids.shape[0]
+        b = self.bucket(n)
+        width = meta.block_tables.shape[1]
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
+        self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
+        self.block_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
+        if b > n:  # padding rows: no write, no context
+            self.slot_mapping[n:b].fill_(-1)
+            self.seq_lens[n:b].fill_(0)
+        self.graphs[b].replay()
+        return self.outputs[b][:n]
