@@ -124,3 +124,15 @@ def run(args: argparse.Namespace) -> int:
                        "copy_bandwidth_Bps": bw, "weight_bytes": weight_bytes, "cuda_graphs": runner.graphs is not None,
                        "rows": rows}, f, indent=2)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tandem.bench.latency ...`: the same as `tandem bench latency ...`."""
+    parser = argparse.ArgumentParser(prog="tandem bench")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["latency", *(sys.argv[1:] if argv is None else argv)])
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

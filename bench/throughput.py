@@ -37,6 +37,9 @@ def register(subparsers) -> None:
     p.add_argument("--model", default="smollm2", help="model (default: the embedded SmolLM2)")
     p.add_argument("--preset", default=None, help="dummy weights of an architecture: llama-3-8b, qwen3-0.6b")
     p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--dataset", choices=["uniform", "sharegpt"], default="uniform",
+                   help="uniform: --input-len range and --output-len for all; sharegpt: ShareGPT-like "
+                        "log-normal input and output lengths (bench/datasets.py), seeded")
     p.add_argument("--input-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"),
                    help="prompt lengths drawn uniformly in [MIN, MAX] (default 32 256)")
     p.add_argument("--output-len", type=int, default=64, help="tokens generated per prompt (default 64)")
@@ -50,13 +53,22 @@ def register(subparsers) -> None:
     p.set_defaults(handler=run)
 
 
-def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
+def make_workload(args, vocab: int) -> tuple[list[list[int]], list[int]]:
+    """Prompts (token ids) and the number of tokens to generate for each."""
+    rng = random.Random(args.seed)
+    if args.dataset == "sharegpt":
+        from tandem.bench.datasets import ShareGPTLike
+
+        shape = ShareGPTLike(max_input_len=1024, max_output_len=512)
+        lengths = [shape.draw(rng) for _ in range(args.num_prompts)]
+    else:
+        lengths = [(rng.randint(*args.input_len), args.output_len) for _ in range(args.num_prompts)]
     # token ids from the middle of the vocabulary: ordinary tokens, no specials
-    return [[rng.randrange(1000, min(vocab, 30000)) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    prompts = [[rng.randrange(1000, min(vocab, 30000)) for _ in range(n_in)] for n_in, _ in lengths]
+    return prompts, [n_out for _, n_out in lengths]
 
 
-def run_engine(args, prompts) -> tuple[ThroughputResult, object]:
+def run_engine(args, prompts, output_lens) -> tuple[ThroughputResult, object]:
     from tandem.engine import LLM, SamplingParams
 
     kwargs = dict(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs)
@@ -65,7 +77,7 @@ def run_engine(args, prompts) -> tuple[ThroughputResult, object]:
 
         kwargs.update(load_format="dummy", hf_config=preset_config(args.preset))
     llm = LLM(args.preset or args.model, **kwargs)
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
     llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
     _sync(llm.engine.runner.device)
     start = time.perf_counter()
@@ -83,8 +95,12 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def run_hf(args, prompts, llm) -> ThroughputResult:
-    """HF transformers generate on the same weights (copied from the engine's model)."""
+def run_hf(args, prompts, output_lens, llm) -> ThroughputResult:
+    """HF transformers generate on the same weights (copied from the engine's model).
+
+    Requests are sorted by length and batched (left padding); a batch runs
+    until its longest output. Only the requested tokens count as output.
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -93,10 +109,12 @@ def run_hf(args, prompts, llm) -> ThroughputResult:
     with torch.device(runner.device):
         hf = AutoModelForCausalLM.from_config(config, dtype=runner.dtype).eval()
     hf.load_state_dict(runner.model.state_dict(), strict=False)
-    produced = 0
+    order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), output_lens[i]))
     start = time.perf_counter()
-    for i in range(0, len(prompts), args.hf_batch_size):
-        batch = prompts[i:i + args.hf_batch_size]
+    for i in range(0, len(order), args.hf_batch_size):
+        chosen = order[i:i + args.hf_batch_size]
+        batch = [prompts[j] for j in chosen]
+        max_new = max(output_lens[j] for j in chosen)
         width = max(map(len, batch))
         ids = torch.zeros(len(batch), width, dtype=torch.long)
         mask = torch.zeros(len(batch), width, dtype=torch.long)
@@ -105,12 +123,12 @@ def run_hf(args, prompts, llm) -> ThroughputResult:
             mask[j, width - len(p):] = 1
         with torch.no_grad():
             out = hf.generate(ids.to(runner.device), attention_mask=mask.to(runner.device),
-                              max_new_tokens=args.output_len, min_new_tokens=args.output_len,
+                              max_new_tokens=max_new, min_new_tokens=max_new,
                               do_sample=False, pad_token_id=0, temperature=None, top_p=None, top_k=None)
-        produced += (out.shape[1] - width) * len(batch)
+        assert out.shape[1] - width == max_new
     _sync(runner.device)
     seconds = time.perf_counter() - start
-    return ThroughputResult("hf-transformers", len(prompts), sum(map(len, prompts)), produced, seconds)
+    return ThroughputResult("hf-transformers", len(prompts), sum(map(len, prompts)), sum(output_lens), seconds)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -119,14 +137,14 @@ def run(args: argparse.Namespace) -> int:
         from tandem.bench.presets import preset_config
 
         vocab = preset_config(args.preset).vocab_size
-    prompts = make_prompts(args.num_prompts, args.input_len[0], args.input_len[1], vocab, args.seed)
-    print(f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, {args.output_len} output "
-          "tokens each", file=sys.stderr)
-    ours, llm = run_engine(args, prompts)
+    prompts, output_lens = make_workload(args, vocab)
+    print(f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, {sum(output_lens)} output "
+          f"tokens ({args.dataset})", file=sys.stderr)
+    ours, llm = run_engine(args, prompts, output_lens)
     results = [ours]
     if not args.no_hf:
         print("running the HF transformers baseline ...", file=sys.stderr)
-        results.append(run_hf(args, prompts, llm))
+        results.append(run_hf(args, prompts, output_lens, llm))
     print(f"{'system':<18}{'seconds':>10}{'output tok/s':>15}{'total tok/s':>14}")
     for r in results:
         print(f"{r.system:<18}{r.seconds:>10.2f}{r.output_tokens_per_s:>15.1f}{r.total_tokens_per_s:>14.1f}")
@@ -140,3 +158,15 @@ def run(args: argparse.Namespace) -> int:
                        "results": [asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in results],
                        "ratio": ratio}, f, indent=2)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tandem.bench.throughput ...`: the same as `tandem bench throughput ...`."""
+    parser = argparse.ArgumentParser(prog="tandem bench")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["throughput", *(sys.argv[1:] if argv is None else argv)])
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

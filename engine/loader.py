@@ -151,13 +151,16 @@ def _safetensors_state_dict(folder: str) -> dict[str, torch.Tensor]:
 def load_weights(model: torch.nn.Module, source: ModelSource, config: Any, seed: int = 0) -> None:
     """Fill `model`'s parameters in place (they already have their dtype and device)."""
     if source.kind == "dummy":
-        gen = torch.Generator(device="cpu").manual_seed(seed)
         std = float(getattr(config, "initializer_range", 0.02))
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.data.fill_(1.0)
-            else:
-                p.data.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+        gens: dict[torch.device, torch.Generator] = {}
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                    continue
+                # drawn where the parameter lives: an 8B model stays off the host
+                gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+                p.normal_(0.0, std, generator=gen)
         return
     state = (gguf_state_dict(source.path) if source.kind == "gguf"
              else _safetensors_state_dict(source.path))

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The GPU figures of docs/benchmarks.md, in one go, from the repository root on a
+# CUDA machine whose Python has torch, triton and transformers (the lent H100
+# image has them; see ../shared/device/README.md). OUT: where JSON results go.
+# Usage: bash bench/gpu_figures.sh [tests|latency|throughput]...
+set -u
+OUT=${OUT:-/tmp/tandem-gpu}
+mkdir -p "$OUT" /tmp/pkg/tandem
+# Map the folders onto the tandem.* import tree without installing (no gRPC stubs needed here).
+for d in engine kernels bench services; do ln -sfn "$PWD/$d" "/tmp/pkg/tandem/$d"; done
+export PYTHONPATH=/tmp/pkg:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+for what in "${@:-tests latency throughput}"; do
+  case $what in
+    tests)
+      python -m pytest -q -x tests/gpu -p no:cacheprovider 2>&1 | tail -25 ;;
+    latency)
+      python -m tandem.bench.latency --preset llama-3-8b --batch-sizes 1,8,64,256 --context 512 \
+        --steps 20 --output-json "$OUT/latency_llama3_8b.json"
+      python -m tandem.bench.latency --preset llama-3-8b --batch-sizes 1,8 --context 512 --steps 20 \
+        --enforce-eager --output-json "$OUT/latency_llama3_8b_eager.json" ;;
+    throughput)
+      python -m tandem.bench.throughput --preset qwen3-0.6b --dataset sharegpt --num-prompts 1000 \
+        --hf-batch-size 128 --output-json "$OUT/throughput_qwen3_0.6b.json" ;;
+  esac
+done

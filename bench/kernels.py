@@ -1,0 +1,426 @@
+"""`tandem bench kernels`: the attention kernels against the GPU's own limits.
+
+Decode attention is memory bound: each step reads every KV byte of the batch
+once. So its figure of merit is KV bytes read per second as a fraction of the
+device-to-device copy bandwidth (bytes read + written) measured in the same
+run; the goal is >= 0.7. Prefill attention is compute bound: FLOP/s as a
+fraction of a large bf16 matmul's, measured in the same run too.
+
+Timing: decode calls are captured in a CUDA graph (launch gaps would
+otherwise dominate small shapes) over several input sets with disjoint random
+blocks, more bytes in all than the L2 cache holds, and the median replay time
+is divided by the number of calls. Copy, matmul and prefill use
+triton.testing.do_bench's median.
+
+    python -m tandem.bench.kernels --json kernels.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+from dataclasses import asdict, dataclass, field
+
+from tandem.services.common.config import add_flag
+
+DTYPES = ("bf16", "fp16")
+
+
+@dataclass
+class Ceilings:
+    copy_gbps: float  # device-to-device copy, bytes read + written per second / 1e9
+    matmul_tflops: float  # bf16 dense matmul
+
+
+@dataclass
+class DecodeRow:
+    batch: int
+    context: int
+    us: float  # median time per call
+    kv_gbps: float  # KV bytes read per second / 1e9
+    fraction_of_copy: float
+    max_rel_error: float
+    partition_size: int
+    config: str
+
+
+@dataclass
+class PrefillRow:
+    query_len: int
+    prefix_len: int
+    ms: float
+    tflops: float
+    fraction_of_matmul: float
+    max_rel_error: float
+
+
+@dataclass
+class MixedRow:
+    """One chunked-prefill step: many decodes plus one prompt chunk over a cached prefix."""
+    decodes: int
+    decode_context: int
+    chunk: int
+    prefix: int
+    ms: float
+    kv_gbps: float  # KV bytes the batch must read (each sequence's context once) per second
+    fraction_of_copy: float
+    max_rel_error: float
+
+
+@dataclass
+class Report:
+    device: str
+    torch_version: str
+    triton_version: str
+    shape: dict
+    ceilings: Ceilings
+    decode: list[DecodeRow] = field(default_factory=list)
+    prefill: list[PrefillRow] = field(default_factory=list)
+    mixed: list[MixedRow] = field(default_factory=list)
+    sweep: list[dict] = field(default_factory=list)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_flag(parser, "--batches", type=_int_list, default=[1, 8, 32, 64, 128, 256],
+             help="decode batch sizes, comma-separated")
+    add_flag(parser, "--contexts", type=_int_list, default=[512, 1024, 2048, 4096, 8192],
+             help="decode context lengths (tokens per sequence), comma-separated")
+    add_flag(parser, "--num-heads", type=int, default=32, help="query heads (Llama-3-8B: 32)")
+    add_flag(parser, "--num-kv-heads", type=int, default=8, help="KV heads (Llama-3-8B: 8)")
+    add_flag(parser, "--head-dim", type=int, default=128, help="head dimension")
+    add_flag(parser, "--block-size", type=int, default=16, help="tokens per KV block")
+    add_flag(parser, "--dtype", choices=DTYPES, default="bf16", help="KV cache and query dtype")
+    add_flag(parser, "--copy-mib", type=int, default=2048,
+             help="size of the buffer copied to measure copy bandwidth, MiB")
+    add_flag(parser, "--sweep", type=bool,
+             help="also time a grid of decode tile/split settings on a few shapes, to "
+                  "choose DecodeConfig's defaults")
+    add_flag(parser, "--skip-prefill", type=bool,
+             help="leave out the prefill and mixed (decodes + prompt chunk) tables")
+    add_flag(parser, "--json", default="kernels.json", help="where to write all numbers")
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "kernels", help="attention kernels vs. copy bandwidth and matmul rate (CUDA)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    parser.set_defaults(handler=run)
+
+
+# ---------------------------------------------------------------- measurement
+
+
+def measure_ceilings(copy_mib: int) -> Ceilings:
+    import torch
+    from triton.testing import do_bench
+
+    n = copy_mib * 2**20 // 2
+    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    copy_gbps = 2 * src.numel() * 2 / (ms * 1e-3) / 1e9
+    del src, dst
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    return Ceilings(copy_gbps=copy_gbps, matmul_tflops=2 * 8192**3 / (ms * 1e-3) / 1e12)
+
+
+def time_graph_ms(fn, reps: int = 50) -> float:
+    """Median milliseconds of one replay of a CUDA graph that runs fn once."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+class DecodeBench:
+    """A KV pool large enough for the biggest shape; each input set takes disjoint
+    random blocks of it, so rotating sets defeats the L2 cache."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
+
+        self.args = args
+        self.dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+        props = torch.cuda.get_device_properties(0)
+        self.l2_bytes = getattr(props, "L2_cache_size", 50 * 2**20)
+        bs = args.block_size
+        self.pool_blocks = max(b * math.ceil(c / bs) for b in args.batches for c in args.contexts)
+        self.pool_blocks = max(self.pool_blocks, 4 * self.l2_bytes // self.block_bytes + 64)
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        self.kv_cache = torch.randn(2, self.pool_blocks, bs, args.num_kv_heads, args.head_dim,
+                                    device="cuda", dtype=self.dtype, generator=gen)
+
+    @property
+    def block_bytes(self) -> int:
+        a = self.args
+        return 2 * a.block_size * a.num_kv_heads * a.head_dim * 2  # K and V, 2-byte dtype
+
+    def input_sets(self, batch: int, context: int):
+        import torch
+
+        from tandem.kernels.metadata import AttentionMetadata
+
+        a = self.args
+        blocks_per_seq = math.ceil(context / a.block_size)
+        set_blocks = batch * blocks_per_seq
+        set_bytes = set_blocks * self.block_bytes
+        count = max(1, min(32, math.ceil(3 * self.l2_bytes / set_bytes),
+                           self.pool_blocks // set_blocks))
+        perm = torch.randperm(self.pool_blocks, device="cuda")
+        sets = []
+        for i in range(count):
+            tables = perm[i * set_blocks:(i + 1) * set_blocks].view(batch, blocks_per_seq)
+            meta = AttentionMetadata(
+                slot_mapping=torch.zeros(batch, dtype=torch.long, device="cuda"),
+                query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+                seq_lens=torch.full((batch,), context, dtype=torch.int32, device="cuda"),
+                block_tables=tables.to(torch.int32).contiguous(),
+                max_query_len=1, max_seq_len=context,
+                query_start_loc_cpu=list(range(batch + 1)), seq_lens_cpu=[context] * batch)
+            query = torch.randn(batch, a.num_heads, a.head_dim, device="cuda", dtype=self.dtype)
+            sets.append((query, meta))
+        return sets, set_bytes
+
+    def run(self, batch: int, context: int, config=None, check: bool = True) -> DecodeRow:
+        from tandem.kernels.attention_triton import (DEFAULT_CONFIG, _num_sms,
+                                                     decode_partition_size,
+                                                     paged_attention_triton)
+        from tandem.kernels.paged_attention_torch import paged_attention_torch
+        from tandem.kernels.selfcheck import rel_error
+
+        import torch
+
+        a = self.args
+        config = config or DEFAULT_CONFIG
+        scale = a.head_dim ** -0.5
+        sets, set_bytes = self.input_sets(batch, context)
+        err = 0.0
+        if check:
+            query, meta = sets[0]
+            out = paged_attention_triton(query, self.kv_cache, meta, scale, config)
+            ref = paged_attention_torch(query, self.kv_cache, meta, scale)
+            err = rel_error(out, ref)
+        outs = [None] * len(sets)
+
+        def step() -> None:
+            for i, (query, meta) in enumerate(sets):
+                outs[i] = paged_attention_triton(query, self.kv_cache, meta, scale, config)
+
+        us = time_graph_ms(step) * 1e3 / len(sets)
+        del outs
+        torch.cuda.empty_cache()
+        gbps = set_bytes / (us * 1e-6) / 1e9
+        partition = decode_partition_size(batch, a.num_kv_heads, context,
+                                          _num_sms(torch.device("cuda")), config.decode)
+        d = config.decode
+        return DecodeRow(batch=batch, context=context, us=us, kv_gbps=gbps,
+                         fraction_of_copy=0.0, max_rel_error=err, partition_size=partition,
+                         config=f"block_n={d.block_n} programs_per_sm={d.programs_per_sm} "
+                                f"warps={d.num_warps} stages={d.num_stages}")
+
+
+PREFILL_SHAPES = ((4096, 0), (2048, 2048), (512, 7680))  # (new tokens, cached prefix)
+
+
+def run_prefill(args: argparse.Namespace, ceilings: Ceilings, config=None,
+                check: bool = True) -> list[PrefillRow]:
+    import torch
+    from triton.testing import do_bench
+
+    from tandem.kernels.attention_triton import paged_attention_triton
+    from tandem.kernels.selfcheck import make_batch, rel_error, twin_attention
+
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    gen = torch.Generator().manual_seed(1)
+    group = args.num_heads // args.num_kv_heads
+    rows = []
+    for q_len, prefix in PREFILL_SHAPES:
+        seq_len = q_len + prefix
+        b = make_batch(gen, [seq_len], [q_len], args.num_kv_heads, group, args.head_dim,
+                       args.block_size, dtype, "cuda")
+        scale = args.head_dim ** -0.5
+        out = paged_attention_triton(b.query, b.kv_cache, b.meta, scale, config)
+        err = rel_error(out, twin_attention(b.query, b.kv_cache, b.meta, scale)) if check else 0.0
+        ms = do_bench(lambda: paged_attention_triton(b.query, b.kv_cache, b.meta, scale, config),
+                      warmup=25, rep=200, return_mode="median")
+        # visible keys summed over query rows: prefix for all, causal triangle for the new
+        visible = q_len * prefix + q_len * (q_len + 1) / 2
+        flops = 4 * visible * args.num_heads * args.head_dim
+        tflops = flops / (ms * 1e-3) / 1e12
+        rows.append(PrefillRow(query_len=q_len, prefix_len=prefix, ms=ms, tflops=tflops,
+                               fraction_of_matmul=tflops / ceilings.matmul_tflops,
+                               max_rel_error=err))
+    return rows
+
+
+MIXED_SHAPES = ((255, 2048, 512, 1536), (63, 4096, 1024, 3072))  # decodes, ctx, chunk, prefix
+
+
+def run_mixed(args: argparse.Namespace, ceilings: Ceilings) -> list[MixedRow]:
+    import torch
+    from triton.testing import do_bench
+
+    from tandem.kernels.attention_triton import paged_attention_triton
+    from tandem.kernels.selfcheck import make_batch, rel_error, twin_attention
+
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    gen = torch.Generator().manual_seed(2)
+    group = args.num_heads // args.num_kv_heads
+    token_bytes = 2 * args.num_kv_heads * args.head_dim * 2
+    rows = []
+    for decodes, context, chunk, prefix in MIXED_SHAPES:
+        b = make_batch(gen, [context] * decodes + [chunk + prefix], [1] * decodes + [chunk],
+                       args.num_kv_heads, group, args.head_dim, args.block_size, dtype, "cuda")
+        scale = args.head_dim ** -0.5
+        out = paged_attention_triton(b.query, b.kv_cache, b.meta, scale)
+        err = rel_error(out, twin_attention(b.query, b.kv_cache, b.meta, scale))
+        ms = do_bench(lambda: paged_attention_triton(b.query, b.kv_cache, b.meta, scale),
+                      warmup=25, rep=200, return_mode="median")
+        gbps = (decodes * context + chunk + prefix) * token_bytes / (ms * 1e-3) / 1e9
+        rows.append(MixedRow(decodes=decodes, decode_context=context, chunk=chunk, prefix=prefix,
+                             ms=ms, kv_gbps=gbps, fraction_of_copy=gbps / ceilings.copy_gbps,
+                             max_rel_error=err))
+    return rows
+
+
+SWEEP_SHAPES = ((1, 8192), (8, 2048), (32, 4096), (64, 512), (256, 1024), (256, 8192))
+
+
+def run_sweep(bench: DecodeBench, args: argparse.Namespace, ceilings: Ceilings) -> list[dict]:
+    from tandem.kernels.attention_triton import AttentionConfig, DecodeConfig, PrefillConfig
+
+    results = []
+    for block_m, block_n, warps, stages in ((64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2),
+                                            (128, 64, 8, 3), (128, 32, 4, 3), (64, 32, 4, 3)):
+        cfg = AttentionConfig(prefill=PrefillConfig(block_m, block_n, warps, stages))
+        rows = run_prefill(args, ceilings, cfg, check=False)
+        results.append({"prefill_config": asdict(cfg.prefill), "shapes": PREFILL_SHAPES,
+                        "tflops": [r.tflops for r in rows]})
+        print(f"sweep {asdict(cfg.prefill)} TFLOP/s "
+              + " ".join(f"{r.tflops:.0f}" for r in rows), flush=True)
+    for block_n in (32, 64, 128):
+        for programs_per_sm in (2, 4, 8):
+            for warps, stages in ((4, 2), (4, 3), (8, 2)):
+                cfg = AttentionConfig(decode=DecodeConfig(block_n, programs_per_sm, warps, stages))
+                fracs = []
+                for batch, context in SWEEP_SHAPES:
+                    row = bench.run(batch, context, cfg, check=False)
+                    fracs.append(row.kv_gbps / ceilings.copy_gbps)
+                results.append({"config": asdict(cfg.decode), "shapes": SWEEP_SHAPES,
+                                "fractions": fracs,
+                                "geomean": math.exp(sum(map(math.log, fracs)) / len(fracs))})
+                print(f"sweep {asdict(cfg.decode)} geomean={results[-1]['geomean']:.3f} "
+                      + " ".join(f"{f:.2f}" for f in fracs), flush=True)
+    return results
+
+
+# ---------------------------------------------------------------- reporting
+
+
+def print_report(report: Report) -> None:
+    c = report.ceilings
+    print(f"\n{report.device}; torch {report.torch_version}, triton {report.triton_version}")
+    print(f"copy bandwidth {c.copy_gbps:.0f} GB/s (read + write), bf16 matmul "
+          f"{c.matmul_tflops:.0f} TFLOP/s")
+    s = report.shape
+    print(f"decode attention, {s['dtype']}, {s['num_heads']} q heads / {s['num_kv_heads']} kv "
+          f"heads, head_dim {s['head_dim']}, block {s['block_size']}: "
+          f"KV GB/s (fraction of copy)")
+    contexts = sorted({r.context for r in report.decode})
+    print("batch \\ ctx " + "".join(f"{ctx:>15d}" for ctx in contexts))
+    for batch in sorted({r.batch for r in report.decode}):
+        cells = {r.context: r for r in report.decode if r.batch == batch}
+        print(f"{batch:>11d} " + "".join(
+            f"{cells[ctx].kv_gbps:>8.0f} ({cells[ctx].fraction_of_copy:.2f})" for ctx in contexts))
+    if report.decode:
+        worst = max(r.max_rel_error for r in report.decode)
+        print(f"max relative error vs torch twin: {worst:.1e}")
+    for r in report.mixed:
+        print(f"mixed {r.decodes} decodes x {r.decode_context} + chunk {r.chunk} over prefix "
+              f"{r.prefix}: {r.ms:.3f} ms, {r.kv_gbps:.0f} GB/s of KV ({r.fraction_of_copy:.2f} "
+              f"of copy), err {r.max_rel_error:.1e}")
+    for r in report.prefill:
+        print(f"prefill q_len {r.query_len} prefix {r.prefix_len}: {r.ms:.3f} ms, "
+              f"{r.tflops:.0f} TFLOP/s ({r.fraction_of_matmul:.2f} of matmul), "
+              f"err {r.max_rel_error:.1e}")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    import triton
+
+    if not torch.cuda.is_available():
+        print("tandem bench kernels needs a CUDA GPU: the kernels it measures run only there "
+              "(the CPU path is the torch twin). Run it on a GPU machine.", file=sys.stderr)
+        return 2
+    if args.num_heads % args.num_kv_heads:
+        print(f"--num-heads {args.num_heads} must be a multiple of --num-kv-heads "
+              f"{args.num_kv_heads}", file=sys.stderr)
+        return 2
+    ceilings = measure_ceilings(args.copy_mib)
+    report = Report(device=torch.cuda.get_device_name(0), torch_version=torch.__version__,
+                    triton_version=triton.__version__,
+                    shape={k: getattr(args, k) for k in ("num_heads", "num_kv_heads",
+                                                         "head_dim", "block_size", "dtype")},
+                    ceilings=ceilings)
+    bench = DecodeBench(args)
+    if args.sweep:
+        report.sweep = run_sweep(bench, args, ceilings)
+    for batch in args.batches:
+        for context in args.contexts:
+            row = bench.run(batch, context)
+            row.fraction_of_copy = row.kv_gbps / ceilings.copy_gbps
+            report.decode.append(row)
+            print(f"decode batch={batch} context={context}: {row.us:.1f} us, "
+                  f"{row.kv_gbps:.0f} GB/s, {row.fraction_of_copy:.2f} of copy, "
+                  f"err {row.max_rel_error:.1e}", flush=True)
+    del bench
+    torch.cuda.empty_cache()
+    if not args.skip_prefill:
+        report.prefill = run_prefill(args, ceilings)
+        report.mixed = run_mixed(args, ceilings)
+    with open(args.json, "w") as f:
+        json.dump(asdict(report) | {"host": platform.node()}, f, indent=1)
+    print_report(report)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tandem.bench.kernels", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
