@@ -91,6 +91,11 @@ class ModelRunner:
         if cache.num_blocks is not None:
             return cache.num_blocks
         if self.device.type == "cuda":
+            # Memory cached by earlier engines in this process counts as used otherwise.
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - (1 - cache.gpu_memory_utilization) * total
             # leave room for activations of one full step

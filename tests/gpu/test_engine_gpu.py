@@ -28,7 +28,7 @@ def test_fp32_greedy_matches_hf_on_gpu(tmp_path, arch, eager):
     path, hf = tiny_model_dir(tmp_path, arch)
     hf = hf.cuda()
     ps = prompts()
-    llm = LLM(path, device="cuda", dtype="float32", enforce_eager=eager)
+    llm = LLM(path, device="cuda", dtype="float32", enforce_eager=eager, num_blocks=1024)
     outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=16, logprobs=5, ignore_eos=True))
     for p, out in zip(ps, outs):
         ref = hf_greedy_cuda(hf, p, 16)
@@ -62,7 +62,7 @@ def test_bf16_greedy_agrees_with_hf_on_99_percent_of_tokens(tmp_path):
     path, hf = tiny_model_dir(tmp_path, "llama")
     hf = hf.to(device="cuda", dtype=torch.bfloat16)
     ps = prompts(seed=2) + prompts(seed=3)
-    llm = LLM(path, device="cuda", dtype="bfloat16")
+    llm = LLM(path, device="cuda", dtype="bfloat16", num_blocks=1024)
     outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     agree = total = 0
     for p, out in zip(ps, outs):
