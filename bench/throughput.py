@@ -106,6 +106,14 @@ def run_hf(args, prompts, output_lens, llm) -> ThroughputResult:
 
     runner = llm.engine.runner
     config = llm.engine.info.hf_config
+    # Give the engine's KV cache back first: HF needs the memory for its own.
+    runner.kv_caches.clear()
+    runner.graphs = None
+    import gc
+
+    gc.collect()
+    if runner.device.type == "cuda":
+        torch.cuda.empty_cache()
     with torch.device(runner.device):
         hf = AutoModelForCausalLM.from_config(config, dtype=runner.dtype).eval()
     hf.load_state_dict(runner.model.state_dict(), strict=False)
@@ -141,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, {sum(output_lens)} output "
           f"tokens ({args.dataset})", file=sys.stderr)
     ours, llm = run_engine(args, prompts, output_lens)
+    print(f"tandem: {ours.output_tokens_per_s:.1f} output tok/s in {ours.seconds:.2f} s", file=sys.stderr)
     results = [ours]
     if not args.no_hf:
         print("running the HF transformers baseline ...", file=sys.stderr)
