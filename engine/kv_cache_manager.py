@@ -17,6 +17,9 @@ class KVCacheManager:
         self.hash_extra = hash_extra  # e.g. the model id: blocks of different models never match
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # The block table of each request as plain ids, kept in step with
+        # req_to_blocks (appended on allocation) so a step never rebuilds it.
+        self._block_ids: dict[str, list[int]] = {}
         self._num_hashed: dict[str, int] = {}  # leading blocks of a request already named in the pool
         self._hashes: dict[str, list[BlockHash]] = {}
 
@@ -61,9 +64,11 @@ class KVCacheManager:
         if num_needed > self.pool.num_free_blocks - num_hits_in_free_queue:
             return None
         self.pool.touch(new_computed_blocks)
-        blocks.extend(new_computed_blocks)
-        new_blocks = self.pool.allocate(max(num_needed, 0))
-        blocks.extend(new_blocks)
+        new_blocks = self.pool.allocate(max(num_needed, 0)) if num_needed > 0 else []
+        ids = self._block_ids.setdefault(request.request_id, [])
+        for added in (new_computed_blocks, new_blocks):
+            blocks.extend(added)
+            ids.extend(b.block_id for b in added)
         self._cache_full_blocks(request, blocks, min(total, request.num_tokens))
         return new_blocks
 
@@ -73,15 +78,18 @@ class KVCacheManager:
         # K/V writes (every layer writes the whole batch's K/V before attention).
         if not self.enable_caching:
             return
+        start = self._num_hashed.get(request.request_id, 0)
+        if num_tokens // self.block_size <= start:
+            return  # the common decode step: no block became full
         hashes = self.block_hashes(request)
         num_full = min(num_tokens // self.block_size, len(hashes))
-        start = self._num_hashed.get(request.request_id, 0)
         for i in range(start, num_full):
             self.pool.cache_block(blocks[i], hashes[i])
         self._num_hashed[request.request_id] = max(start, num_full)
 
     def free(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self._block_ids.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
         self._num_hashed.pop(request.request_id, None)
 
@@ -91,7 +99,8 @@ class KVCacheManager:
         self._hashes.pop(request.request_id, None)
 
     def block_ids(self, request: Request) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request.request_id, [])]
+        """The request's block table (a live list: read it, do not keep it across steps)."""
+        return self._block_ids.get(request.request_id, [])
 
     @property
     def usage(self) -> float:

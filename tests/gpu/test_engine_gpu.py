@@ -57,22 +57,33 @@ def hf_greedy_cuda(hf, prompt, n):
 
 
 def test_bf16_greedy_agrees_with_hf_on_99_percent_of_tokens(tmp_path):
-    """Per-token agreement under teacher forcing: at every step both see the same
-    history (HF's greedy continuation) and we compare their next-token argmax.
-    Comparing free-running sequences instead would count every token after one
-    near-tie flip as a disagreement."""
+    """Per-token agreement under teacher forcing: at every position both see the
+    same history (prompt + HF's greedy continuation) and we compare their
+    next-token argmax. HF's choices come from one full forward pass over each
+    history, so neither side mixes incremental and full computation."""
     from tandem.engine import LLM, SamplingParams
 
-    path, hf = tiny_model_dir(tmp_path, "llama")
+    # Random weights spread the next-token distribution thin, so bf16 rounding
+    # flips near ties that a trained model would not have. A sharper output
+    # layer (x8) gives the random model a trained model's confidence.
+    path, hf = tiny_model_dir(tmp_path, "llama", lm_head_scale=8.0)
     hf = hf.to(device="cuda", dtype=torch.bfloat16)
     llm = LLM(path, device="cuda", dtype="bfloat16", num_blocks=4096)
-    histories, expected = [], []
+    histories, expected, margins = [], [], []
     for p in prompts(seed=2) + prompts(seed=3):
         ref = hf_greedy_cuda(hf, p, 32).tokens
+        with torch.no_grad():
+            logits = hf(torch.tensor([p + ref], device="cuda")).logits[0].float()
         for t in range(len(ref)):
+            row = logits[len(p) - 1 + t]
+            top2 = torch.topk(row, 2).values
             histories.append(p + ref[:t])
-            expected.append(ref[t])
+            expected.append(int(row.argmax()))
+            margins.append(float(top2[0] - top2[1]))
     outs = llm.generate(histories, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-    agree = sum(o.outputs[0].token_ids[0] == e for o, e in zip(outs, expected))
-    print(f"bf16 greedy agreement (teacher-forced): {agree}/{len(expected)} = {agree / len(expected):.4f}")
+    ours = [o.outputs[0].token_ids[0] for o in outs]
+    agree = sum(a == e for a, e in zip(ours, expected))
+    flips = sorted(m for a, e, m in zip(ours, expected, margins) if a != e)
+    print(f"bf16 greedy agreement (teacher-forced): {agree}/{len(expected)} = {agree / len(expected):.4f}; "
+          f"HF top-2 logit margins where we differ: {[round(m, 3) for m in flips[:10]]}")
     assert agree / len(expected) >= 0.99

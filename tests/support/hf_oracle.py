@@ -51,7 +51,7 @@ def compare_with_tie_rule(ours: list[int], our_top5: list[dict[int, float]], ref
     return n
 
 
-def tiny_model_dir(tmp_path, arch: str, seed: int = 0) -> tuple[str, object]:
+def tiny_model_dir(tmp_path, arch: str, seed: int = 0, lm_head_scale: float = 1.0) -> tuple[str, object]:
     """Save a tiny random-weight Llama or Qwen3 as a HF folder; return (path, HF model)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -69,6 +69,9 @@ def tiny_model_dir(tmp_path, arch: str, seed: int = 0) -> tuple[str, object]:
     else:
         raise ValueError(arch)
     model = model.float().eval()
+    if lm_head_scale != 1.0:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(lm_head_scale)
     path = os.path.join(str(tmp_path), arch)
     model.save_pretrained(path, safe_serialization=True)
     return path, model
