@@ -60,8 +60,8 @@ def paged_attention_torch(query: torch.Tensor, kv_cache: torch.Tensor, meta: Att
         v = v.transpose(0, 1).float().repeat_interleave(group, dim=0)
         mask = None
         if q_len > 1:
-            positions = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-            mask = torch.arange(seq_len).unsqueeze(0) <= positions  # [q_len, L]
+            positions = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
+            mask = torch.arange(seq_len, device=query.device).unsqueeze(0) <= positions  # [q_len, L]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         out[qs:qe] = o.transpose(0, 1).to(query.dtype)
     return out

@@ -1,0 +1,111 @@
+"""The Triton paged attention op: picks the decode or the prefill kernel and their tiles.
+
+Twin: `paged_attention_torch` (same signature, same result up to rounding).
+Decode-only batches (max_query_len == 1) go to the split-KV kernel in
+decode_attention_triton.py; everything else (prefill, chunked prefill with a
+cached prefix, mixed decode + prefill) to prefill_attention_triton.py.
+
+Nothing here reads a device tensor on the host: tile and grid choices depend
+only on shapes and the host ints meta.max_seq_len / max_query_len, so the
+decode path can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from tandem.kernels.cache_write import _check_head_dim
+from tandem.kernels.decode_attention_triton import decode_attention
+from tandem.kernels.metadata import AttentionMetadata
+from tandem.kernels.prefill_attention_triton import prefill_attention
+
+# Assumed when no CUDA device can be asked (the CPU interpreter): an H100 SXM.
+DEFAULT_NUM_SMS = 132
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int = 64  # KV tokens per inner tile
+    # Aim for this many programs per SM when splitting the context; splitting
+    # further costs partial-result traffic and a longer reduce. 0: never split.
+    programs_per_sm: int = 2
+    num_warps: int = 4
+    num_stages: int = 3
+    reduce_chunk: int = 64  # partial results combined per step of the reduce kernel
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int = 64  # query rows per program
+    block_n: int = 64  # KV tokens per inner tile
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    decode: DecodeConfig = DecodeConfig()
+    prefill: PrefillConfig = PrefillConfig()
+
+
+DEFAULT_CONFIG = AttentionConfig()
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
+                          cfg: DecodeConfig) -> int:
+    """Tokens per split: enough splits to give every SM work, none shorter than a tile.
+
+    A power of two times block_n, so a growing max_seq_len changes it (and the
+    grid's third dimension) rarely.
+    """
+    programs = max(1, num_seqs * num_kv_heads)
+    want_splits = max(1, triton.cdiv(cfg.programs_per_sm * num_sms, programs))
+    tiles = triton.cdiv(max(max_seq_len, 1), want_splits * cfg.block_n)
+    return cfg.block_n * triton.next_power_of_2(tiles)
+
+
+def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                           scale: float, config: AttentionConfig | None = None) -> torch.Tensor:
+    """Attention of query [num_tokens, num_heads, head_dim] over the paged cache.
+
+    The new tokens' K/V must already be in the cache (write_kv first).
+    kv_cache is [2, num_blocks, block_size, num_kv_heads, head_dim] and dense.
+    """
+    cfg = config or DEFAULT_CONFIG
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[3]
+    _check_head_dim(head_dim)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
+                         f"{num_kv_heads}; check the model config")
+    if query.stride(2) != 1:
+        query = query.contiguous()
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_tokens == 0:
+        return out
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    if meta.is_decode_only and num_tokens == meta.num_seqs:
+        # One query row per sequence: row i belongs to sequence i.
+        d = cfg.decode
+        partition = decode_partition_size(meta.num_seqs, num_kv_heads, meta.max_seq_len,
+                                          _num_sms(query.device), d)
+        return decode_attention(query, key_cache, value_cache, meta.block_tables,
+                                meta.seq_lens, meta.max_seq_len, scale, out,
+                                partition_size=partition, block_n=d.block_n,
+                                num_warps=d.num_warps, num_stages=d.num_stages,
+                                reduce_chunk=d.reduce_chunk)
+    p = cfg.prefill
+    return prefill_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
+                             meta.query_start_loc, meta.max_query_len, scale, out,
+                             block_m=p.block_m, block_n=p.block_n, num_warps=p.num_warps,
+                             num_stages=p.num_stages)

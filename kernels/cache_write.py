@@ -1,0 +1,68 @@
+"""Triton kernel that scatters new keys/values into the paged KV cache.
+
+Twin: `write_kv_torch` in paged_attention_torch.py (same signature, same
+result). One program per token copies all its KV heads for K and V; a slot
+below zero marks a padding token whose K/V is not written.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
+    stride_key_tok, stride_key_head, stride_value_tok, stride_value_head,
+    stride_cache_slot, stride_cache_head,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    dims = tl.arange(0, HEAD_DIM)[None, :]
+    mask = heads < NUM_KV_HEADS
+    src = token.to(tl.int64)
+    k = tl.load(key_ptr + src * stride_key_tok + heads * stride_key_head + dims, mask=mask)
+    v = tl.load(value_ptr + src * stride_value_tok + heads * stride_value_head + dims, mask=mask)
+    # The slot index of a large cache exceeds int32 once multiplied out: keep it int64.
+    dst = slot * stride_cache_slot + heads * stride_cache_head + dims
+    tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    """Store key/value [num_tokens, num_kv_heads, head_dim] at their slots.
+
+    kv_cache is [2, num_blocks, block_size, num_kv_heads, head_dim]; the last
+    two dimensions of key, value and cache must be dense (stride of head_dim 1),
+    as they are for the views a fused QKV projection produces.
+    """
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _check_head_dim(head_dim)
+    for name, t in (("key", key), ("value", value)):
+        if t.stride(2) != 1:
+            raise ValueError(f"write_kv_triton: {name} must have a dense last dimension "
+                             f"(stride {t.stride(2)}); pass .contiguous()")
+    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_slots, H, D]
+    key_cache, value_cache = flat[0], flat[1]
+    _write_kv_kernel[(num_tokens,)](
+        key, value, key_cache, value_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key_cache.stride(0), key_cache.stride(1),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+    )
+
+
+def _check_head_dim(head_dim: int) -> None:
+    # tl.arange needs a power of two; 16 is the smallest tl.dot operand size.
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"Triton paged attention needs a power-of-two head_dim >= 16, got "
+                         f"{head_dim}; set TANDEM_ATTENTION_BACKEND=torch for this model")

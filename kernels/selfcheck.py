@@ -1,0 +1,283 @@
+"""Checks every Triton kernel against its torch twin on random paged batches.
+
+    python -m tandem.kernels.selfcheck --size small   # CPU: TRITON_INTERPRET=1
+    python -m tandem.kernels.selfcheck --size full    # CUDA, full sizes
+
+Each case draws a fresh cache full of random values, shuffled
+(non-contiguous) block tables, GQA ratios, head dims, block sizes, context
+lengths and batch shapes (decode-only, and mixed decode + prefill with and
+without a cached prefix). write_kv must match bit for bit; attention must
+match the twin within the dtype's tolerance (relative L2 error).
+Exit status 0 means every case passed. The interpreter must be switched on
+before triton is first imported, which is why this runs as its own process.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.kernels.metadata import AttentionMetadata
+from tandem.kernels.paged_attention_torch import paged_attention_torch, write_kv_torch
+
+# Relative L2 error allowed against the fp32 twin. bf16/fp16 lose precision
+# where the kernel rounds the softmax weights to the input dtype for P @ V.
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class Batch:
+    """One random paged batch: q_lens[i] new tokens at the end of seq_lens[i]."""
+    query: torch.Tensor  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor
+    kv_cache: torch.Tensor  # random everywhere: stale data must never leak in
+    meta: AttentionMetadata
+    q_lens: list[int] = field(default_factory=list)
+
+
+def make_batch(gen: torch.Generator, seq_lens: list[int], q_lens: list[int], num_kv_heads: int,
+               group: int, head_dim: int, block_size: int, dtype: torch.dtype,
+               device: str, pad_tokens: int = 0, spare_blocks: int = 8) -> Batch:
+    """A batch whose block tables are a random permutation of the cache's blocks.
+
+    pad_tokens extra query rows with slot -1 are appended (as a CUDA-graph
+    padded batch has); they belong to no sequence.
+    """
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    perm = torch.randperm(num_blocks, generator=gen)
+    width = max(blocks_per_seq) + 1
+    tables = torch.randint(0, num_blocks, (len(seq_lens), width), generator=gen)
+    pos = 0
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n] = perm[pos:pos + n]
+        pos += n
+    slots = []
+    for i, (s, q) in enumerate(zip(seq_lens, q_lens)):
+        p = torch.arange(s - q, s)
+        slots.append(tables[i, p // block_size] * block_size + p % block_size)
+    slots.append(torch.full((pad_tokens,), -1, dtype=torch.long))
+    slot_mapping = torch.cat(slots)
+    num_tokens = int(slot_mapping.numel())
+    starts = [0]
+    for q in q_lens:
+        starts.append(starts[-1] + q)
+
+    # Values are drawn on the device: a full-size cache holds ~1e9 elements.
+    dev_gen = torch.Generator(device=device).manual_seed(
+        int(torch.randint(0, 2**62, (1,), generator=gen)))
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=dev_gen, device=device).to(dtype)
+
+    num_heads = num_kv_heads * group
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping.to(device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=tables.to(torch.int32).to(device),
+        max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        query_start_loc_cpu=starts, seq_lens_cpu=list(seq_lens))
+    return Batch(query=rand(num_tokens, num_heads, head_dim),
+                 key=rand(num_tokens, num_kv_heads, head_dim),
+                 value=rand(num_tokens, num_kv_heads, head_dim),
+                 kv_cache=rand(2, num_blocks, block_size, num_kv_heads, head_dim),
+                 meta=meta, q_lens=list(q_lens))
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    if not bool(torch.isfinite(out).all()):
+        return float("inf")
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def twin_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                   scale: float) -> torch.Tensor:
+    """The torch twin's answer; batches with multi-token queries are computed on the CPU.
+
+    The twin builds its causal mask with CPU aranges, which SDPA refuses to mix
+    with CUDA tensors (reported to the kernels' owner); the CPU copy sidesteps it.
+    """
+    if query.is_cuda and meta.max_query_len > 1:
+        cpu_meta = AttentionMetadata(
+            slot_mapping=meta.slot_mapping.cpu(), query_start_loc=meta.query_start_loc.cpu(),
+            seq_lens=meta.seq_lens.cpu(), block_tables=meta.block_tables.cpu(),
+            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+            query_start_loc_cpu=meta.query_start_loc_cpu, seq_lens_cpu=meta.seq_lens_cpu)
+        return paged_attention_torch(query.cpu(), kv_cache.cpu(), cpu_meta, scale).to(query.device)
+    return paged_attention_torch(query, kv_cache, meta, scale)
+
+
+def check_batch(batch: Batch, config=None) -> tuple[bool, float, str]:
+    """Runs write_kv and attention through Triton and the twins; (ok, error, why)."""
+    from tandem.kernels.attention_triton import paged_attention_triton
+    from tandem.kernels.cache_write import write_kv_triton
+
+    ref_cache = batch.kv_cache.clone()
+    write_kv_torch(batch.key, batch.value, ref_cache, batch.meta.slot_mapping)
+    cache = batch.kv_cache.clone()
+    write_kv_triton(batch.key, batch.value, cache, batch.meta.slot_mapping)
+    if not torch.equal(cache, ref_cache):
+        bad = int((cache != ref_cache).sum())
+        return False, float("inf"), f"write_kv: {bad} cache elements differ"
+    num_real = sum(batch.q_lens)
+    query = batch.query[:num_real]
+    scale = query.shape[-1] ** -0.5
+    out = paged_attention_triton(query, cache, batch.meta, scale, config)
+    ref = twin_attention(query, ref_cache, batch.meta, scale)
+    err = rel_error(out, ref)
+    tol = TOLERANCE[query.dtype]
+    if not err <= tol:
+        return False, err, f"attention: relative error {err:.2e} > {tol:.0e}"
+    return True, err, ""
+
+
+def check_decode_graph(gen: torch.Generator, dtype: torch.dtype) -> tuple[bool, float, str]:
+    """The decode path under CUDA-graph capture: replay after changing lengths and tables."""
+    from tandem.kernels.attention_triton import paged_attention_triton
+
+    max_len, batch_size = 2048, 32
+    lens = [max_len] + [int(x) for x in torch.randint(1, max_len, (batch_size - 1,), generator=gen)]
+    b = make_batch(gen, lens, [1] * batch_size, 8, 4, 128, 16, dtype, "cuda")
+    scale = 128 ** -0.5
+    paged_attention_triton(b.query, b.kv_cache, b.meta, scale)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_attention_triton(b.query, b.kv_cache, b.meta, scale)
+    worst = 0.0
+    for _ in range(3):  # new lengths (<= the captured max) and new tables, same buffers
+        new_lens = torch.randint(1, max_len + 1, (batch_size,), generator=gen).to(torch.int32)
+        b.meta.seq_lens.copy_(new_lens)
+        b.meta.seq_lens_cpu = new_lens.tolist()
+        rows = torch.randperm(batch_size, generator=gen)
+        b.meta.block_tables.copy_(b.meta.block_tables[rows.cuda()].clone())
+        b.query.copy_(torch.randn(b.query.shape, generator=gen).to(dtype))
+        graph.replay()
+        ref = paged_attention_torch(b.query, b.kv_cache, b.meta, scale)
+        worst = max(worst, rel_error(out, ref))
+    tol = TOLERANCE[dtype]
+    return worst <= tol, worst, "" if worst <= tol else f"graph replay error {worst:.2e}"
+
+
+def small_cases(rng: random.Random):
+    """Interpreter-sized cases: every GQA ratio x head dim x block size, cycling dtypes."""
+    dtypes = itertools.cycle([torch.float32, torch.bfloat16, torch.float16])
+    for group, head_dim, block_size in itertools.product((1, 3, 4), (64, 128), (16, 32)):
+        dtype = next(dtypes)
+        shape = dict(num_kv_heads=2, group=group, head_dim=head_dim, block_size=block_size,
+                     dtype=dtype)
+        decode_lens = [1, rng.randint(2, 40), rng.randint(100, 300)]
+        yield "decode", shape, decode_lens, [1] * 3, 0
+        # decode + prefill with a cached prefix + prefill from scratch + a padding row
+        seq_lens = [rng.randint(1, 120), rng.randint(40, 200), rng.randint(2, 40)]
+        q_lens = [1, rng.randint(2, 36), seq_lens[2]]
+        q_lens[1] = min(q_lens[1], seq_lens[1])
+        yield "mixed", shape, seq_lens, q_lens, 1
+
+
+def full_cases(rng: random.Random):
+    """GPU-sized cases: contexts 1..4k, batches up to 256."""
+    dtypes = itertools.cycle([torch.bfloat16, torch.float16, torch.float32])
+    for (kv, group), head_dim, block_size in itertools.product(
+            ((8, 4), (2, 3), (4, 1)), (64, 128), (16, 32)):
+        dtype = next(dtypes)
+        shape = dict(num_kv_heads=kv, group=group, head_dim=head_dim, block_size=block_size,
+                     dtype=dtype)
+        for batch_size in (1, 7, 64, 256):
+            lens = [rng.randint(1, 4096) for _ in range(batch_size)]
+            lens[0] = 4096 if batch_size > 1 else rng.choice((1, 4096))
+            if batch_size > 2:
+                lens[1] = 1
+            yield "decode", shape, lens, [1] * batch_size, 0
+        # mixed: decodes, chunked prefills over cached prefixes, a fresh prompt
+        seq_lens = [rng.randint(1, 4096) for _ in range(12)]
+        q_lens = [1] * 6 + [min(s, rng.randint(2, 512)) for s in seq_lens[6:11]]
+        seq_lens[11] = 1500
+        q_lens.append(1500)
+        yield "mixed", shape, seq_lens, q_lens, 3
+
+
+def run(size: str, seed: int, device: str, verbose: bool) -> int:
+    from tandem.kernels.attention_triton import AttentionConfig, DecodeConfig, PrefillConfig
+
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    if size == "small":
+        cases, configs = small_cases(rng), [
+            # many splits (each a tile of 32 or 16; reduced 4 at a time, or all at
+            # once), and the single-split path
+            AttentionConfig(DecodeConfig(block_n=32, programs_per_sm=1, reduce_chunk=4),
+                            PrefillConfig(block_m=16, block_n=32)),
+            AttentionConfig(DecodeConfig(block_n=16, programs_per_sm=1, reduce_chunk=64),
+                            PrefillConfig(block_m=16, block_n=16)),
+            AttentionConfig(DecodeConfig(block_n=16, programs_per_sm=0),
+                            PrefillConfig(block_m=32, block_n=16)),
+        ]
+    else:
+        cases, configs = full_cases(rng), [None]
+    failures, count, worst = 0, 0, {}
+    t0 = time.perf_counter()
+    for i, (kind, shape, seq_lens, q_lens, pad) in enumerate(cases):
+        config = configs[i % len(configs)]
+        batch = make_batch(gen, seq_lens, q_lens, device=device, pad_tokens=pad, **shape)
+        ok, err, why = check_batch(batch, config)
+        count += 1
+        key = str(shape["dtype"]).removeprefix("torch.")
+        worst[key] = max(worst.get(key, 0.0), err)
+        line = (f"{kind:6s} kv_heads={shape['num_kv_heads']} group={shape['group']} "
+                f"head_dim={shape['head_dim']} block={shape['block_size']} {key:8s} "
+                f"seqs={len(seq_lens)} max_len={max(seq_lens)} err={err:.2e}")
+        if not ok:
+            failures += 1
+            print("FAIL", line, why, flush=True)
+        elif verbose:
+            print("ok  ", line, flush=True)
+    if device == "cuda":
+        for dtype in (torch.bfloat16, torch.float16):
+            ok, err, why = check_decode_graph(gen, dtype)
+            count += 1
+            if not ok:
+                failures += 1
+                print("FAIL decode under CUDA graph", why, flush=True)
+            elif verbose:
+                print(f"ok   decode under CUDA graph {dtype} err={err:.2e}", flush=True)
+    summary = " ".join(f"{k}={v:.1e}" for k, v in sorted(worst.items()))
+    print(f"checked {count} cases, {failures} failed, worst error {summary}, "
+          f"{time.perf_counter() - t0:.1f}s", flush=True)
+    return 1 if failures else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tandem.kernels.selfcheck",
+        description="Compare the Triton paged-attention kernels with their torch twins. "
+                    "On a CPU run it with TRITON_INTERPRET=1 in the environment.")
+    parser.add_argument("--size", choices=("small", "full"), default="small",
+                        help="small: interpreter-sized cases (CPU); full: contexts up to 4k "
+                             "and batches up to 256 (needs CUDA)")
+    parser.add_argument("--device", default=None,
+                        help="torch device; default cuda if available, else cpu")
+    parser.add_argument("--seed", type=int, default=0, help="seed for all random draws")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print every case")
+    args = parser.parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        import os
+
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            parser.error("on the CPU Triton runs only under its interpreter: "
+                         "set TRITON_INTERPRET=1 in the environment")
+    return run(args.size, args.seed, device, args.verbose)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
