@@ -259,7 +259,9 @@ class LLMEngine:
             kv_save_bytes=cs.save_bytes if cs else 0, kv_load_bytes=cs.load_bytes if cs else 0,
             kv_save_blocks=cs.save_blocks if cs else 0, kv_load_blocks=cs.load_blocks if cs else 0,
             kv_save_seconds=cs.save_seconds if cs else 0.0, kv_load_seconds=cs.load_seconds if cs else 0.0,
-            recompute_fallbacks=cs.load_failures if cs else 0)
+            # A failed lookup (store down) and a failed load both mean the prefix
+            # is computed here instead of loaded: both are recompute fallbacks.
+            recompute_fallbacks=(cs.load_failures + cs.lookup_failures) if cs else 0)
 
     def shutdown(self) -> None:
         if self.connector is not None:

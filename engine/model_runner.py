@@ -101,7 +101,9 @@ class ModelRunner:
             gc.collect()
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - (1 - cache.gpu_memory_utilization) * total
+            # gpu_memory_utilization is this process's share of the device (as in
+            # vLLM), weights included, so engines can split one GPU between them.
+            budget = min(free, cache.gpu_memory_utilization * total - torch.cuda.memory_reserved(self.device))
             # leave room for activations of one full step
             budget -= 2 * self.config.scheduler.max_num_batched_tokens * self.model.config.hidden_size * 64
         else:

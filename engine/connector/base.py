@@ -51,7 +51,7 @@ class ConnectorStats:
     load_seconds: float = 0.0
     load_failures: int = 0  # requests that fell back to recompute
     save_failures: int = 0
-    lookup_failures: int = 0
+    lookup_failures: int = 0  # store lookups that failed: the prefix is computed locally
 
 
 class KVConnector(ABC):

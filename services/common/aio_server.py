@@ -1,0 +1,76 @@
+"""gRPC servers on asyncio (grpc.aio) for the roles whose work is async: the
+prefill and decode services (around AsyncLLMEngine) and the router's public
+API (next to its FastAPI app on the same loop).
+
+Mirrors `grpc_server.start_grpc_server`: health checking, reflection, the same
+message limits and optional TLS/mTLS.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tandem.services.common.grpc_server import CHANNEL_OPTIONS, TLSConfig, _read
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunningAioServer:
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+    names: list[str]
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ["", *self.names]:
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        await self.set_serving(False)
+        await self.server.stop(grace_s)
+
+
+async def start_aio_grpc_server(add_servicers: Callable[[grpc.aio.Server], list[str]], host: str,
+                                port: int, tls: Optional[TLSConfig] = None) -> RunningAioServer:
+    """Start a server on the running loop; `add_servicers` registers servicers and
+    returns their full names. port 0 picks a free port; the chosen one is returned."""
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    names = add_servicers(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    address = f"{host}:{port}"
+    if tls and tls.enabled:
+        creds = grpc.ssl_server_credentials(
+            [(_read(tls.key_file), _read(tls.cert_file))],
+            root_certificates=_read(tls.ca_file) if tls.ca_file else None,
+            require_client_auth=bool(tls.ca_file))
+        bound = server.add_secure_port(address, creds)
+    else:
+        bound = server.add_insecure_port(address)
+    if bound == 0:
+        raise SystemExit(f"error: cannot listen on {address} (port in use?)")
+    await server.start()
+    running = RunningAioServer(server=server, port=bound, health=health_servicer, names=names)
+    await running.set_serving(True)
+    log.info("gRPC %s listening on %s:%d", ",".join(names), host, bound)
+    return running
+
+
+def make_aio_channel(target: str, tls: Optional[TLSConfig] = None) -> grpc.aio.Channel:
+    """An asyncio client channel to another role, with the same message limits."""
+    if tls and tls.ca_file:
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=_read(tls.ca_file),
+            private_key=_read(tls.key_file) if tls.key_file else None,
+            certificate_chain=_read(tls.cert_file) if tls.cert_file else None)
+        return grpc.aio.secure_channel(target, creds, options=CHANNEL_OPTIONS)
+    return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)

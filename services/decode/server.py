@@ -1,0 +1,87 @@
+"""The decode role: a gRPC server around an engine that takes a request with
+the first token prefill sampled, loads the prompt's KV blocks it lacks from
+the KV store (connector role "consumer"; recomputing them when the store
+cannot provide them), and streams the rest of the answer.
+
+    python -m tandem.services.decode.server --kvstore 127.0.0.1:50081
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import grpc
+
+from tandem.services.common.engine_service import (
+    EngineMetrics, add_engine_arguments, load_from_stats, logprob_to_proto, run_engine_service,
+    run_main, sampling_params_from_proto)
+from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+
+ROLE = "decode"
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
+    def __init__(self, engine, metrics: EngineMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+
+    async def Decode(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
+        from tandem.engine import SamplingParamsError
+
+        try:
+            params = sampling_params_from_proto(request.params, n=1)
+        except SamplingParamsError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not request.prompt_token_ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "prompt_token_ids: must contain at least one token")
+        first = list(request.first_token_ids) or None
+        timer = self.metrics.start_request()
+        last = None
+        try:
+            # Cancelling this handler (the router's call cancelled) closes the
+            # generator, which aborts the request in the engine.
+            async for out in self.engine.generate(request.request_id, list(request.prompt_token_ids),
+                                                  params, first_token_ids=first):
+                last = out
+                self.metrics.on_tokens(timer, len(out.new_token_ids))
+                yield decode_pb2.DecodeResponse(
+                    token_ids=out.new_token_ids, text=out.new_text,
+                    logprobs=[logprob_to_proto(lp) for lp in out.new_logprobs],
+                    finish_reason=(out.finish_reason or "") if out.finished else "",
+                    num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
+                    num_cached_tokens=out.num_cached_tokens,
+                    num_external_tokens=out.num_external_tokens)
+        except SamplingParamsError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if last is not None and last.finished:
+            self.metrics.finish_request(timer, last.finish_reason, last.num_prompt_tokens)
+
+    async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
+        await self.engine.abort(request.request_id)
+        return common_pb2.AbortResponse()
+
+    async def GetLoad(self, request: common_pb2.LoadRequest, context) -> common_pb2.Load:
+        return load_from_stats(self.engine.stats())
+
+
+def _add_servicers(server: grpc.aio.Server, engine, metrics: EngineMetrics) -> list[str]:
+    decode_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(engine, metrics), server)
+    return [decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser, role=ROLE, default_port=50071, default_metrics_port=9071)
+
+
+def serve(args: argparse.Namespace) -> int:
+    return asyncio.run(run_engine_service(args, role=ROLE, kv_role="consumer",
+                                          add_servicers=_add_servicers))
+
+
+def main() -> None:
+    run_main(add_arguments, serve, "tandem decode service: loads KV blocks and streams answers.")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""The prefill role: a gRPC server around an engine that runs each prompt,
+samples its first token and saves the prompt's full KV blocks to the KV store.
+
+Its connector both saves and loads (kv_role "both"): blocks of a prompt
+prefix that another prefill instance already computed come from the store,
+so the store is a prefix cache shared by the whole prefill tier.
+
+    python -m tandem.services.prefill.server --kvstore 127.0.0.1:50081
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import grpc
+
+from tandem.services.common.engine_service import (
+    EngineMetrics, add_engine_arguments, load_from_stats, logprob_to_proto, run_engine_service,
+    run_main, sampling_params_from_proto)
+from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+
+ROLE = "prefill"
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
+    def __init__(self, engine, metrics: EngineMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+
+    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
+        from tandem.engine import SamplingParamsError
+
+        p = request.params
+        try:
+            # Exactly one token, sampled with the request's own parameters. A
+            # min_tokens above 1 still forbids EOS for this first token.
+            params = sampling_params_from_proto(p, n=1, max_tokens=1, min_tokens=min(p.min_tokens, 1))
+        except SamplingParamsError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not request.prompt_token_ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "prompt_token_ids: must contain at least one token")
+        timer = self.metrics.start_request()
+        reply = prefill_pb2.PrefillResponse()
+        last = None
+        first_token = None
+        try:
+            # Cancelling this handler (the router's call cancelled) closes the
+            # generator, which aborts the request in the engine.
+            async for out in self.engine.generate(request.request_id, list(request.prompt_token_ids),
+                                                  params):
+                last = out
+                if out.new_token_ids and first_token is None:
+                    first_token = out.new_token_ids[0]
+                    self.metrics.on_tokens(timer, 1)
+                reply.text += out.new_text
+                if out.new_logprobs:
+                    reply.logprob.CopyFrom(logprob_to_proto(out.new_logprobs[0]))
+        except SamplingParamsError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if last is None or first_token is None or not last.finished or last.finish_reason == "abort":
+            await context.abort(grpc.StatusCode.ABORTED, f"request {request.request_id} was aborted")
+        self.metrics.finish_request(timer, last.finish_reason, last.num_prompt_tokens)
+        reply.first_token_id = first_token
+        reply.finish_reason = "stop" if last.finish_reason == "stop" else ""
+        reply.block_hashes.extend(last.block_hashes)
+        reply.num_prompt_tokens = last.num_prompt_tokens
+        reply.num_cached_tokens = last.num_cached_tokens
+        reply.num_external_tokens = last.num_external_tokens
+        reply.num_computed_tokens = (last.num_prompt_tokens - last.num_cached_tokens
+                                     - last.num_external_tokens)
+        return reply
+
+    async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
+        await self.engine.abort(request.request_id)
+        return common_pb2.AbortResponse()
+
+    async def GetLoad(self, request: common_pb2.LoadRequest, context) -> common_pb2.Load:
+        return load_from_stats(self.engine.stats())
+
+
+def _add_servicers(server: grpc.aio.Server, engine, metrics: EngineMetrics) -> list[str]:
+    prefill_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(engine, metrics), server)
+    return [prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser, role=ROLE, default_port=50061, default_metrics_port=9061)
+
+
+def serve(args: argparse.Namespace) -> int:
+    return asyncio.run(run_engine_service(args, role=ROLE, kv_role="both",
+                                          add_servicers=_add_servicers))
+
+
+def main() -> None:
+    run_main(add_arguments, serve, "tandem prefill service: runs prompts and saves their KV blocks.")
+
+
+if __name__ == "__main__":
+    main()

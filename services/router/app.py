@@ -1,0 +1,395 @@
+"""The OpenAI-compatible HTTP gateway (FastAPI): /v1/chat/completions,
+/v1/completions (SSE streaming and not), /v1/models, /health, /metrics.
+
+Every error is OpenAI's error JSON with a status that says whose fault it was;
+a client that goes away aborts its request in every tier.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Awaitable, Callable, Optional
+
+import pydantic
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tandem.services.router.backends import BackendPool
+from tandem.services.router.dispatch import Delta, DispatchError, merge_choices
+from tandem.services.router.frontend import Frontend, InvalidRequest, new_request_id
+from tandem.services.router.openai_protocol import (ChatCompletionRequest, CompletionRequest,
+                                                    LogprobFormatter, error_body, now, usage_body)
+from tandem.services.router.telemetry import RequestClock, RouterTelemetry
+from tandem.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 0.5
+
+
+@dataclass
+class GatewayConfig:
+    api_keys: list[str] = field(default_factory=list)  # empty: no auth
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_in_flight: int = 1024  # requests beyond it get 429 with Retry-After
+
+
+def _error(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+           headers: Optional[dict] = None) -> JSONResponse:
+    type_ = "invalid_request_error" if status < 500 else "server_error"
+    if status == 401:
+        type_ = "authentication_error"
+    elif status == 429:
+        type_ = "rate_limit_error"
+    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
+
+
+def _validation_message(exc: pydantic.ValidationError) -> tuple[str, Optional[str]]:
+    first = exc.errors()[0]
+    loc = [str(p) for p in first.get("loc", ())]
+    if first.get("type") == "json_invalid":
+        return f"The body is not valid JSON: {first.get('msg')}", None
+    # Union members add their type name to loc; keep only the field path.
+    path = ".".join(p for p in loc if not p[0].isupper() and "[" not in p and p not in
+                    ("str", "list", "int", "function-after"))
+    return f"{path or 'body'}: {first.get('msg')}", path or None
+
+
+@dataclass
+class _Choice:
+    text: str = ""
+    logprobs: list = field(default_factory=list)
+    finish_reason: Optional[str] = None
+
+
+@dataclass
+class _Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, delta: Delta, count_prompt: bool) -> None:
+        self.completion_tokens += delta.num_output_tokens
+        if count_prompt:
+            self.prompt_tokens += delta.num_prompt_tokens
+            self.cached_tokens += delta.num_cached_tokens
+
+    def body(self) -> dict:
+        return usage_body(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+
+def create_app(frontend: Frontend, telemetry: RouterTelemetry, pools: dict[str, BackendPool],
+               config: GatewayConfig) -> FastAPI:
+    app = FastAPI(title="tandem", summary="OpenAI-compatible gateway of tandem")
+    formatter = LogprobFormatter(frontend.model.tokenizer)
+
+    # --- cross-cutting: auth, body size, errors ----------------------------------------
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if config.api_keys and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            token = given[7:] if given.lower().startswith("bearer ") else ""
+            # Compare against every key so timing does not say which one nearly matched.
+            ok = False
+            for key in config.api_keys:
+                ok |= hmac.compare_digest(token.encode(), key.encode())
+            if not ok:
+                return _error(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
+                              code="invalid_api_key")
+        return await call_next(request)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return _error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return _error(500, "Internal error in the router; see its log.")
+
+    async def read_body(request: Request, model: type[pydantic.BaseModel]):
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > config.max_body_bytes:
+            raise InvalidRequest(f"The body is {length} bytes; the limit is {config.max_body_bytes}.",
+                                 status=413)
+        raw = await request.body()
+        if len(raw) > config.max_body_bytes:
+            raise InvalidRequest(f"The body is over the limit of {config.max_body_bytes} bytes.",
+                                 status=413)
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidRequest("The body is not valid UTF-8.") from None
+        try:
+            return model.model_validate_json(raw)
+        except pydantic.ValidationError as exc:
+            message, param = _validation_message(exc)
+            raise InvalidRequest(message, param=param) from None
+
+    async def handle(request: Request, kind: type[pydantic.BaseModel],
+                     run: Callable[[Request, pydantic.BaseModel, RequestClock], Awaitable[Response]]):
+        if telemetry.in_flight >= config.max_in_flight:
+            return _error(429, f"The router has {telemetry.in_flight} requests in flight, its limit; "
+                          "retry shortly.", headers={"Retry-After": "1"})
+        clock = telemetry.start()
+        try:
+            body = await read_body(request, kind)
+            frontend.check_model(body.model)
+            response = await run(request, body, clock)
+            if not isinstance(response, StreamingResponse):
+                clock.finish(str(response.status_code))
+            return response
+        except InvalidRequest as exc:
+            clock.finish(str(exc.status))
+            return _error(exc.status, exc.message, exc.param, exc.code)
+        except DispatchError as exc:
+            clock.finish(str(exc.http_status))
+            return _error(exc.http_status, exc.message)
+        except BaseException:
+            clock.finish("500")
+            raise
+
+    # --- routes -----------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health():
+        counts = {role: {"healthy": len(pool.healthy()), "total": len(pool.instances)}
+                  for role, pool in pools.items()}
+        ok = bool(pools["decode"].healthy())
+        return JSONResponse({"status": "ok" if ok else "unavailable", "instances": counts},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        from tandem.services.common.metrics import metrics_response
+
+        body, content_type = metrics_response()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def models():
+        m = frontend.model
+        return {"object": "list", "data": [{"id": m.model_id, "object": "model", "created": now(),
+                                            "owned_by": "tandem", "max_model_len": m.max_model_len}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, ChatCompletionRequest, _chat)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, CompletionRequest, _completion)
+
+    # --- chat -------------------------------------------------------------------------
+
+    async def _chat(request: Request, body: ChatCompletionRequest, clock: RequestClock) -> Response:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        prompt = frontend.chat_prompt(messages)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise InvalidRequest("top_logprobs: needs logprobs set to true", param="top_logprobs")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = body.sampling_params(max_tokens, logprobs)
+        frontend.finalize_params(len(prompt), params)
+        request_id = new_request_id("chatcmpl")
+        created, model_id = now(), frontend.model.model_id
+        stream = frontend.generate(request_id, prompt, params)
+
+        def chunk(index: int, delta: dict, lps: Optional[list], finish: Optional[str]) -> dict:
+            return {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                    "model": model_id, "choices": [{"index": index, "delta": delta, "logprobs": lps,
+                                                    "finish_reason": finish}]}
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            async def events() -> AsyncIterator[dict]:
+                usage = _Usage()
+                for i in range(params.n or 1):
+                    yield chunk(i, {"role": "assistant", "content": ""}, None, None)
+                async for index, d in stream:
+                    clock.on_tokens(len(d.token_ids))
+                    lps = {"content": formatter.chat(d.logprobs)} if logprobs is not None else None
+                    if d.text or d.finish_reason or lps:
+                        yield chunk(index, {"content": d.text} if d.text else {}, lps, d.finish_reason)
+                    if d.finish_reason:
+                        usage.add(d, count_prompt=index == 0)
+                if include_usage:
+                    yield {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                           "model": model_id, "choices": [], "usage": usage.body()}
+
+            return _sse(request, events(), clock)
+
+        choices, usage = await _collect(request, stream, clock, prompts_per_choice=params.n or 1)
+        return JSONResponse({
+            "id": request_id, "object": "chat.completion", "created": created, "model": model_id,
+            "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
+                         "logprobs": {"content": formatter.chat(c.logprobs)} if logprobs is not None else None,
+                         "finish_reason": c.finish_reason} for i, c in enumerate(choices)],
+            "usage": usage.body()})
+
+    # --- completions --------------------------------------------------------------------
+
+    def _completion_prompts(body: CompletionRequest) -> list[list[int]]:
+        p = body.prompt
+        if isinstance(p, str):
+            return [frontend.tokenize(p)]
+        if not p:
+            raise InvalidRequest("prompt: must not be empty", param="prompt")
+        if isinstance(p[0], int):
+            return [frontend.check_token_ids(p)]
+        if isinstance(p[0], str):
+            return [frontend.tokenize(s) for s in p]
+        return [frontend.check_token_ids(ids) for ids in p]
+
+    async def _completion(request: Request, body: CompletionRequest, clock: RequestClock) -> Response:
+        if body.echo:
+            raise InvalidRequest("echo: not supported", param="echo")
+        if body.suffix:
+            raise InvalidRequest("suffix: not supported", param="suffix")
+        prompts = _completion_prompts(body)
+        n = body.n
+        request_id = new_request_id("cmpl")
+        created, model_id = now(), frontend.model.model_id
+        per_prompt = []
+        for pi, prompt in enumerate(prompts):
+            params = body.sampling_params(body.max_tokens, body.logprobs)
+            frontend.finalize_params(len(prompt), params)
+            per_prompt.append(frontend.generate(f"{request_id}-p{pi}", prompt, params))
+
+        async def flat() -> AsyncIterator[tuple[int, Delta]]:
+            async for pi, (ci, d) in merge_choices(per_prompt):
+                yield pi * n + ci, d
+
+        stream = flat()
+        with_logprobs = body.logprobs is not None
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            async def events() -> AsyncIterator[dict]:
+                usage = _Usage()
+                offsets: dict[int, int] = {}
+                async for index, d in stream:
+                    clock.on_tokens(len(d.token_ids))
+                    lps = None
+                    if with_logprobs:
+                        lps = formatter.completion(d.logprobs, offsets.get(index, 0))
+                    offsets[index] = offsets.get(index, 0) + len(d.text)
+                    if d.text or d.finish_reason or lps:
+                        yield {"id": request_id, "object": "text_completion", "created": created,
+                               "model": model_id, "choices": [{"index": index, "text": d.text,
+                                                               "logprobs": lps,
+                                                               "finish_reason": d.finish_reason}]}
+                    if d.finish_reason:
+                        usage.add(d, count_prompt=index % n == 0)
+                if include_usage:
+                    yield {"id": request_id, "object": "text_completion", "created": created,
+                           "model": model_id, "choices": [], "usage": usage.body()}
+
+            return _sse(request, events(), clock)
+
+        choices, usage = await _collect(request, stream, clock, prompts_per_choice=n)
+        return JSONResponse({
+            "id": request_id, "object": "text_completion", "created": created, "model": model_id,
+            "choices": [{"index": i, "text": c.text,
+                         "logprobs": formatter.completion(c.logprobs, 0) if with_logprobs else None,
+                         "finish_reason": c.finish_reason} for i, c in enumerate(choices)],
+            "usage": usage.body()})
+
+    return app
+
+
+# --- running a generation against a client that may leave ----------------------------
+
+async def _until_disconnect(request: Request, work: asyncio.Task) -> None:
+    """Wait for `work`; cancel it (and so every downstream call) if the client leaves."""
+    while True:
+        done, _ = await asyncio.wait({work}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return
+        if await request.is_disconnected():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            return
+
+
+async def _collect(request: Request, stream: AsyncIterator[tuple[int, Delta]], clock: RequestClock,
+                   prompts_per_choice: int) -> tuple[list[_Choice], _Usage]:
+    choices: dict[int, _Choice] = {}
+    usage = _Usage()
+
+    async def consume() -> None:
+        async for index, d in stream:
+            clock.on_tokens(len(d.token_ids))
+            c = choices.setdefault(index, _Choice())
+            c.text += d.text
+            c.logprobs.extend(d.logprobs)
+            if d.finish_reason:
+                c.finish_reason = d.finish_reason
+                usage.add(d, count_prompt=index % prompts_per_choice == 0)
+
+    work = asyncio.create_task(consume())
+    await _until_disconnect(request, work)
+    if work.cancelled():
+        clock.finish("499")  # nginx's "client closed request"
+        raise asyncio.CancelledError()
+    work.result()  # re-raises DispatchError
+    return [choices[i] for i in sorted(choices)], usage
+
+
+def _sse(request: Request, events: AsyncIterator[dict], clock: RequestClock) -> StreamingResponse:
+    """Server-sent events; a downstream failure mid-stream becomes an error event
+    (the status line is long gone), a client that leaves cancels the generation."""
+    queue: asyncio.Queue = asyncio.Queue()
+    END = object()
+
+    async def produce() -> None:
+        try:
+            async for event in events:
+                await queue.put(f"data: {json.dumps(event)}\n\n")
+            await queue.put("data: [DONE]\n\n")
+            clock.finish("200")
+        except InvalidRequest as exc:
+            clock.finish(str(exc.status))
+            await queue.put(f"data: {json.dumps(error_body(exc.message, 'invalid_request_error', exc.param, exc.code))}\n\n")
+        except DispatchError as exc:
+            clock.finish(str(exc.http_status))
+            await queue.put(f"data: {json.dumps(error_body(exc.message, 'server_error', None, exc.http_status))}\n\n")
+        except asyncio.CancelledError:
+            clock.finish("499")
+            raise
+        except Exception:
+            log.exception("stream failed")
+            clock.finish("500")
+            await queue.put(f"data: {json.dumps(error_body('Internal error in the router; see its log.', 'server_error', None, 500))}\n\n")
+        finally:
+            await events.aclose()
+            queue.put_nowait(END)
+
+    async def body() -> AsyncIterator[str]:
+        work = asyncio.create_task(produce())
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return
+                    continue
+                if item is END:
+                    return
+                yield item
+        finally:
+            # Leaving early (client gone, or starlette closing us): stop the generation.
+            if not work.done():
+                work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

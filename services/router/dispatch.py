@@ -1,0 +1,218 @@
+"""One choice of one request through the tiers: prefill (unless the prompt is
+short or no prefill instance is up), then decode, streaming deltas back.
+
+Failure handling, in order of preference:
+- a prefill instance that fails is taken out and the prompt goes to another;
+  with none left, decode prefills the prompt itself;
+- a decode instance that fails before its first message is taken out and the
+  request goes to another; one that fails mid-stream ends the choice with a
+  DispatchError (the client has seen tokens; they cannot be taken back);
+- closing or cancelling the generator cancels the gRPC calls, which aborts the
+  request in the engines.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Optional, Sequence
+
+import grpc
+
+from tandem.services.router.backends import INSTANCE_FAILURES, BackendPool, Instance
+from tandem.services.router.policies import Policy, RouteRequest
+from tandem.services.router.telemetry import RouterTelemetry
+from tandem.v1 import common_pb2, decode_pb2, prefill_pb2
+
+# gRPC code -> HTTP status, for errors the router passes on to clients.
+_HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.ABORTED: 503,
+}
+
+
+class DispatchError(Exception):
+    """A request failed downstream; carries what to tell the client."""
+
+    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+    @property
+    def http_status(self) -> int:
+        return _HTTP_STATUS.get(self.code, 502)
+
+    @classmethod
+    def from_rpc(cls, role: str, target: str, exc: grpc.aio.AioRpcError) -> "DispatchError":
+        if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
+            return cls(exc.details() or "invalid request", exc.code())
+        return cls(f"{role} instance {target} failed: {exc.code().name}: {exc.details()}", exc.code())
+
+
+@dataclass
+class Delta:
+    """New output of one choice. The last delta of a choice has finish_reason
+    and the usage numbers."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class Dispatcher:
+    def __init__(self, prefill: BackendPool, decode: BackendPool, prefill_policy: Policy,
+                 decode_policy: Policy, prefill_threshold: int, telemetry: RouterTelemetry,
+                 prefill_timeout_s: float = 300.0) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.prefill_policy = prefill_policy
+        self.decode_policy = decode_policy
+        self.prefill_threshold = prefill_threshold
+        self.telemetry = telemetry
+        self.prefill_timeout_s = prefill_timeout_s
+
+    async def generate(self, request_id: str, prompt: Sequence[int],
+                       params: common_pb2.SamplingParams) -> AsyncIterator[Delta]:
+        route = RouteRequest(prompt_token_ids=prompt)
+        reply = None
+        if len(prompt) >= self.prefill_threshold and self.prefill.instances:
+            reply = await self._prefill(request_id, prompt, params, route)
+        if reply is None:
+            self.telemetry.prefill_skipped()
+        first: list[int] = []
+        cached: Optional[int] = None
+        if reply is not None:
+            first = [reply.first_token_id]
+            cached = reply.num_cached_tokens + reply.num_external_tokens
+            finish = None
+            if reply.finish_reason == "stop":
+                finish = "stop"
+            elif params.HasField("max_tokens") and params.max_tokens <= 1:
+                finish = "length"
+            yield Delta(token_ids=first, text=reply.text,
+                        logprobs=[reply.logprob] if reply.HasField("logprob") else [],
+                        finish_reason=finish, num_prompt_tokens=len(prompt), num_output_tokens=1,
+                        num_cached_tokens=cached)
+            if finish:
+                return
+        num_output = len(first)
+        async for msg in self._decode(request_id, prompt, first, params, route):
+            num_output += len(msg.token_ids)
+            delta = Delta(token_ids=list(msg.token_ids), text=msg.text, logprobs=list(msg.logprobs))
+            if msg.finish_reason:
+                delta.finish_reason = msg.finish_reason
+                delta.num_prompt_tokens = len(prompt)
+                delta.num_output_tokens = num_output
+                delta.num_cached_tokens = (cached if cached is not None
+                                           else msg.num_cached_tokens + msg.num_external_tokens)
+            yield delta
+
+    def _candidates(self, pool: BackendPool, tried: set[str]) -> list[Instance]:
+        return [i for i in pool.healthy() if i.target not in tried]
+
+    async def _prefill(self, request_id: str, prompt: Sequence[int], params: common_pb2.SamplingParams,
+                       route: RouteRequest) -> Optional[prefill_pb2.PrefillResponse]:
+        """The prefill reply, or None when no prefill instance could take it."""
+        tried: set[str] = set()
+        request = prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt,
+                                             params=params)
+        while candidates := self._candidates(self.prefill, tried):
+            instance = self.prefill_policy.choose(candidates, route)
+            tried.add(instance.target)
+            self.telemetry.routed("prefill", instance.target)
+            instance.outstanding_tokens += len(prompt)
+            instance.in_flight += 1
+            try:
+                return await instance.stub.Prefill(request, timeout=self.prefill_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in INSTANCE_FAILURES:
+                    raise DispatchError.from_rpc("prefill", instance.target, exc) from None
+                self.prefill.mark_failed(instance, f"{exc.code().name}: {exc.details()}")
+            finally:
+                instance.outstanding_tokens -= len(prompt)
+                instance.in_flight -= 1
+        return None
+
+    async def _decode(self, request_id: str, prompt: Sequence[int], first: list[int],
+                      params: common_pb2.SamplingParams,
+                      route: RouteRequest) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        tried: set[str] = set()
+        request = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt,
+                                           first_token_ids=first, params=params)
+        while True:
+            candidates = self._candidates(self.decode, tried)
+            if not candidates:
+                raise DispatchError("no healthy decode instance; retry later", grpc.StatusCode.UNAVAILABLE)
+            instance = self.decode_policy.choose(candidates, route)
+            tried.add(instance.target)
+            self.telemetry.routed("decode", instance.target)
+            instance.in_flight += 1
+            call = instance.stub.Decode(request)
+            streamed = False
+            try:
+                async for msg in call:
+                    streamed = True
+                    yield msg
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in INSTANCE_FAILURES:
+                    raise DispatchError.from_rpc("decode", instance.target, exc) from None
+                self.decode.mark_failed(instance, f"{exc.code().name}: {exc.details()}")
+                if streamed:
+                    raise DispatchError(f"decode instance {instance.target} failed mid-stream: "
+                                        f"{exc.code().name}: {exc.details()}") from None
+            finally:
+                instance.in_flight -= 1
+                # No-op when the call ended; otherwise (client gone, generator
+                # closed) it cancels the RPC and so aborts the request in decode.
+                call.cancel()
+
+
+_DONE = object()
+
+
+async def merge_choices(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
+    """Interleave the deltas of n choices as they come: (choice index, delta).
+
+    The first error of any choice ends all of them; leaving early cancels the rest.
+    """
+    if len(streams) == 1:
+        async for delta in streams[0]:
+            yield 0, delta
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[Delta]) -> None:
+        try:
+            async for delta in stream:
+                await queue.put((index, delta))
+            await queue.put((index, _DONE))
+        except Exception as exc:  # handed to the consumer, which re-raises it
+            await queue.put((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is _DONE:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()

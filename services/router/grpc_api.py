@@ -1,0 +1,95 @@
+"""The public gRPC API (tandem.v1.TandemService), served by the router next to
+its HTTP gateway and sharing its frontend: same tokenization, validation,
+routing and metrics."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+
+import grpc
+
+from tandem.services.router.dispatch import DispatchError
+from tandem.services.router.frontend import Frontend, InvalidRequest, new_request_id
+from tandem.services.router.telemetry import RouterTelemetry
+from tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+
+
+class TandemServicer(generate_pb2_grpc.TandemServiceServicer):
+    def __init__(self, frontend: Frontend, telemetry: RouterTelemetry, api_keys: list[str],
+                 max_in_flight: int = 1024) -> None:
+        self.frontend = frontend
+        self.telemetry = telemetry
+        self.api_keys = api_keys
+        self.max_in_flight = max_in_flight
+
+    def _authorized(self, context: grpc.aio.ServicerContext) -> bool:
+        if not self.api_keys:
+            return True
+        given = dict(context.invocation_metadata() or ()).get("authorization", "")
+        token = given[7:] if given.lower().startswith("bearer ") else ""
+        ok = False
+        for key in self.api_keys:
+            ok |= hmac.compare_digest(token.encode(), key.encode())
+        return ok
+
+    def _prompt(self, request: generate_pb2.GenerateRequest) -> list[int]:
+        which = request.WhichOneof("input")
+        if which == "prompt":
+            return self.frontend.tokenize(request.prompt)
+        if which == "token_ids":
+            return self.frontend.check_token_ids(list(request.token_ids.ids), param="token_ids")
+        if which == "chat":
+            return self.frontend.chat_prompt(
+                [{"role": m.role, "content": m.content} for m in request.chat.messages])
+        raise InvalidRequest("input: set one of prompt, token_ids or chat", param="input")
+
+    async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        if not self._authorized(context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "missing or invalid API key: send metadata 'authorization: Bearer <key>'")
+        if self.telemetry.in_flight >= self.max_in_flight:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                "the router is at its limit of requests in flight; retry shortly")
+        clock = self.telemetry.start()
+        status = grpc.StatusCode.OK
+        try:
+            self.frontend.check_model(request.model)
+            prompt = self._prompt(request)
+            params = common_pb2.SamplingParams()
+            params.CopyFrom(request.params)
+            self.frontend.finalize_params(len(prompt), params)
+            request_id = request.request_id or new_request_id("gen")
+            async for index, d in self.frontend.generate(request_id, prompt, params):
+                clock.on_tokens(len(d.token_ids))
+                reply = generate_pb2.GenerateResponse(
+                    index=index, token_ids=d.token_ids, text=d.text, logprobs=d.logprobs,
+                    finish_reason=d.finish_reason or "")
+                if d.finish_reason:
+                    reply.usage.CopyFrom(common_pb2.Usage(
+                        prompt_tokens=d.num_prompt_tokens, completion_tokens=d.num_output_tokens,
+                        cached_tokens=d.num_cached_tokens))
+                yield reply
+        except InvalidRequest as exc:
+            status = grpc.StatusCode.NOT_FOUND if exc.status == 404 else grpc.StatusCode.INVALID_ARGUMENT
+            await context.abort(status, exc.message)
+        except DispatchError as exc:
+            status = exc.code
+            await context.abort(exc.code, exc.message)
+        except asyncio.CancelledError:
+            status = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            clock.finish(status.name)
+
+    async def ListModels(self, request: generate_pb2.ListModelsRequest, context) -> generate_pb2.ListModelsResponse:
+        if not self._authorized(context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "missing or invalid API key: send metadata 'authorization: Bearer <key>'")
+        m = self.frontend.model
+        return generate_pb2.ListModelsResponse(
+            models=[generate_pb2.ModelCard(id=m.model_id, max_model_len=m.max_model_len)])
+
+
+def add_tandem_service(server: grpc.aio.Server, servicer: TandemServicer) -> list[str]:
+    generate_pb2_grpc.add_TandemServiceServicer_to_server(servicer, server)
+    return [generate_pb2.DESCRIPTOR.services_by_name["TandemService"].full_name]

@@ -1,0 +1,162 @@
+"""The router role: the OpenAI-compatible HTTP gateway and the public gRPC
+API on one asyncio loop, in front of pools of prefill and decode instances.
+
+    python -m tandem.services.router.server --prefill 127.0.0.1:50061 --decode 127.0.0.1:50071
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+
+from tandem.services.common.config import add_flag
+from tandem.services.common.engine_service import DEFAULT_MODEL, run_main
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from tandem.services.router.policies import POLICIES
+
+    add_flag(parser, "--host", default="127.0.0.1",
+             help="address the HTTP gateway and the gRPC API bind (0.0.0.0 for all interfaces)")
+    add_flag(parser, "--port", type=int, default=8000, help="HTTP port of the OpenAI-compatible gateway; 0 picks a free one")
+    add_flag(parser, "--grpc-port", type=int, default=50051,
+             help="port of the public gRPC API (tandem.v1.TandemService); 0 picks a free one, -1 turns it off")
+    add_flag(parser, "--prefill", default="",
+             help="prefill instances as host:port,host:port; none: decode prefills every prompt")
+    add_flag(parser, "--decode", default="", help="decode instances as host:port,host:port (at least one)")
+    add_flag(parser, "--model", default=DEFAULT_MODEL,
+             help="the model the instances serve (for its tokenizer, chat template and context length)")
+    add_flag(parser, "--max-model-len", type=int, default=None,
+             help="context length; unset: the model's own limit (keep it equal to the engines')")
+    add_flag(parser, "--routing", default="least_loaded", choices=list(POLICIES),
+             help="how to pick an instance in each tier: round_robin, least_loaded (outstanding "
+                  "prefill tokens; running requests and KV usage for decode), or prefix_affinity "
+                  "(prompts that share their first block go to the same instance)")
+    add_flag(parser, "--affinity-tokens", type=int, default=16,
+             help="prefix_affinity: how many leading prompt tokens pick the instance (one block)")
+    add_flag(parser, "--prefill-threshold", type=int, default=32,
+             help="prompts shorter than this many tokens skip the prefill tier and prefill on decode")
+    add_flag(parser, "--prefill-timeout", type=float, default=300.0,
+             help="seconds a prefill call may take before the router tries another instance")
+    add_flag(parser, "--api-key", default=None, nargs="*",
+             help="API keys clients must send as 'Authorization: Bearer <key>' (several allowed; "
+                  "env: comma-separated); unset: no authentication")
+    add_flag(parser, "--max-in-flight", type=int, default=1024,
+             help="requests in flight beyond which new ones get HTTP 429 / RESOURCE_EXHAUSTED")
+    add_flag(parser, "--startup-timeout", type=float, default=300.0,
+             help="seconds to wait at startup for a healthy decode instance")
+
+
+def _served_model(args: argparse.Namespace):
+    from tandem.engine.loader import EMBEDDED_ALIASES, EMBEDDED_MODEL_ID, load_model_info
+    from tandem.services.router.frontend import ServedModel
+
+    info = load_model_info(args.model)
+    aliases = {args.model}
+    if info.model_id == EMBEDDED_MODEL_ID:
+        aliases |= set(EMBEDDED_ALIASES)
+    return ServedModel(model_id=info.model_id, tokenizer=info.tokenizer, aliases=aliases,
+                       max_model_len=args.max_model_len or info.max_model_len)
+
+
+class _Uvicorn:
+    """uvicorn's Server without its own signal handling: this process stops the
+    HTTP server, the gRPC server and the pools together on SIGINT/SIGTERM."""
+
+    def __init__(self, app, host: str, port: int) -> None:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):
+                yield
+
+        self.server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                            lifespan="off", timeout_graceful_shutdown=5))
+
+    async def start(self) -> tuple[asyncio.Task, int]:
+        task = asyncio.create_task(self.server.serve())
+        while not self.server.started:
+            if task.done():
+                task.result()
+                raise SystemExit("error: the HTTP gateway stopped while starting (port in use?)")
+            await asyncio.sleep(0.05)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        return task, port
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from tandem.services.common.aio_server import start_aio_grpc_server
+    from tandem.services.router.app import GatewayConfig, create_app
+    from tandem.services.router.backends import BackendPool, parse_targets
+    from tandem.services.router.dispatch import Dispatcher
+    from tandem.services.router.frontend import Frontend
+    from tandem.services.router.grpc_api import TandemServicer, add_tandem_service
+    from tandem.services.router.policies import make_policy
+    from tandem.services.router.telemetry import RouterTelemetry
+    from tandem.v1 import decode_pb2_grpc, prefill_pb2_grpc
+
+    try:
+        prefill_targets = parse_targets(args.prefill)
+        decode_targets = parse_targets(args.decode)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    if not decode_targets:
+        raise SystemExit("error: --decode needs at least one host:port of a decode instance")
+    model = _served_model(args)
+    telemetry = RouterTelemetry(model.model_id)
+    prefill = BackendPool("prefill", prefill_targets, prefill_pb2_grpc.PrefillServiceStub)
+    decode = BackendPool("decode", decode_targets, decode_pb2_grpc.DecodeServiceStub)
+    if not await decode.wait_until_healthy(args.startup_timeout):
+        log.warning("no decode instance is healthy yet; requests get 503 until one is")
+    await prefill.check_all()
+    prefill.start()
+    decode.start()
+    dispatcher = Dispatcher(prefill, decode, make_policy(args.routing, args.affinity_tokens),
+                            make_policy(args.routing, args.affinity_tokens), args.prefill_threshold,
+                            telemetry, prefill_timeout_s=args.prefill_timeout)
+    frontend = Frontend(model, dispatcher)
+    api_keys = [k for k in (args.api_key or []) if k]
+    grpc_server = None
+    if args.grpc_port >= 0:
+        servicer = TandemServicer(frontend, telemetry, api_keys, args.max_in_flight)
+        grpc_server = await start_aio_grpc_server(lambda s: add_tandem_service(s, servicer),
+                                                  args.host, args.grpc_port)
+        print(f"router grpc listening on {args.host}:{grpc_server.port}", flush=True)
+    app = create_app(frontend, telemetry, {"prefill": prefill, "decode": decode},
+                     GatewayConfig(api_keys=api_keys, max_in_flight=args.max_in_flight))
+    http = _Uvicorn(app, args.host, args.port)
+    http_task, http_port = await http.start()
+    # The launcher and tests wait for exactly this line.
+    print(f"router listening on {args.host}:{http_port}", flush=True)
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await asyncio.wait({asyncio.create_task(stop.wait()), http_task},
+                       return_when=asyncio.FIRST_COMPLETED)
+    log.info("router stopping")
+    http.server.should_exit = True
+    if grpc_server is not None:
+        await grpc_server.stop(grace_s=5.0)
+    await asyncio.gather(http_task, return_exceptions=True)
+    await prefill.close()
+    await decode.close()
+    return 0
+
+
+def serve(args: argparse.Namespace) -> int:
+    return asyncio.run(_serve(args))
+
+
+def main() -> None:
+    run_main(add_arguments, serve, "tandem router: OpenAI-compatible HTTP gateway and public gRPC API.")
+
+
+if __name__ == "__main__":
+    main()

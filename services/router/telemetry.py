@@ -1,0 +1,62 @@
+"""The router's metrics (role="router"): requests by status, routing
+decisions, skipped prefills, requests in flight and client-side latencies.
+The metric objects are defined once in tandem.services.common.metrics."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+class RouterTelemetry:
+    def __init__(self, model: str) -> None:
+        from tandem.services.common import metrics
+
+        self._m = metrics
+        self._labels = {"role": "router", "model": model}
+        self.in_flight = 0  # requests started and not finished; the gateway's back-pressure limit reads it
+
+    def _labelled(self, name: str, **extra):
+        return getattr(self._m, name).labels(**self._labels, **extra)
+
+    def routed(self, target_role: str, instance: str) -> None:
+        self._labelled("ROUTER_ROUTING_DECISIONS", target_role=target_role, instance=instance).inc()
+
+    def prefill_skipped(self) -> None:
+        self._labelled("ROUTER_PREFILL_SKIPPED").inc()
+
+    def start(self) -> "RequestClock":
+        self.in_flight += 1
+        self._labelled("ROUTER_REQUESTS_IN_FLIGHT").inc()
+        return RequestClock(self)
+
+    def _finish(self, clock: "RequestClock", status: str) -> None:
+        self.in_flight -= 1
+        self._labelled("ROUTER_REQUESTS_IN_FLIGHT").dec()
+        self._labelled("ROUTER_REQUESTS", status=status).inc()
+        self._labelled("ROUTER_E2E_REQUEST_LATENCY").observe(time.monotonic() - clock.arrival)
+
+
+@dataclass
+class RequestClock:
+    """Times one client request; finish() exactly once (idempotent)."""
+
+    telemetry: RouterTelemetry
+    arrival: float = field(default_factory=time.monotonic)
+    last_token: Optional[float] = None
+    done: bool = False
+
+    def on_tokens(self, n: int) -> None:
+        if n <= 0:
+            return
+        now = time.monotonic()
+        if self.last_token is None:
+            self.telemetry._labelled("ROUTER_TIME_TO_FIRST_TOKEN").observe(now - self.arrival)
+        else:
+            self.telemetry._labelled("ROUTER_INTER_TOKEN_LATENCY").observe((now - self.last_token) / n)
+        self.last_token = now
+
+    def finish(self, status: str) -> None:
+        if not self.done:
+            self.done = True
+            self.telemetry._finish(self, status)

@@ -1,0 +1,87 @@
+"""The public gRPC API (tandem.v1.TandemService) of a real stack, through
+stubs generated from the protos."""
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from tandem.services.common.grpc_server import make_channel
+from tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from tests.support.stack import tandem_stack  # noqa: F401  (fixture)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def stub(tandem_stack):
+    channel = make_channel(tandem_stack.grpc_target)
+    yield generate_pb2_grpc.TandemServiceStub(channel)
+    channel.close()
+
+
+def generate(stub, **fields) -> list[generate_pb2.GenerateResponse]:
+    return list(stub.Generate(generate_pb2.GenerateRequest(**fields), timeout=120))
+
+
+def test_generate_streams_a_chat(stub):
+    params = common_pb2.SamplingParams(max_tokens=6, temperature=0.0)
+    chat = generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(role="user", content="Hello!")])
+    replies = generate(stub, chat=chat, params=params)
+    assert len(replies) >= 2  # streamed, not one blob
+    tokens = [t for r in replies for t in r.token_ids]
+    assert len(tokens) == 6 and "".join(r.text for r in replies).strip()
+    last = replies[-1]
+    assert last.finish_reason == "length" and last.usage.completion_tokens == 6
+    assert all(not r.finish_reason for r in replies[:-1])
+
+
+def test_generate_from_token_ids_and_prompt_agree(stub, tandem_stack):
+    params = common_pb2.SamplingParams(max_tokens=5, temperature=0.0)
+    from tandem.engine.loader import load_model_info
+
+    ids = load_model_info("smollm2").tokenizer.encode("Once upon a time")
+    by_ids = generate(stub, token_ids=generate_pb2.TokenIds(ids=ids), params=params)
+    by_text = generate(stub, prompt="Once upon a time", params=params, model=tandem_stack.model)
+    assert [t for r in by_ids for t in r.token_ids] == [t for r in by_text for t in r.token_ids]
+
+
+def test_generate_n_choices(stub):
+    params = common_pb2.SamplingParams(n=2, max_tokens=4, temperature=0.8, seed=7)
+    replies = generate(stub, prompt="A short poem:", params=params)
+    finished = {r.index for r in replies if r.finish_reason}
+    assert finished == {0, 1}
+
+
+@pytest.mark.parametrize("fields,code", [
+    ({}, grpc.StatusCode.INVALID_ARGUMENT),  # no input
+    ({"prompt": "hi", "params": common_pb2.SamplingParams(temperature=-1)}, grpc.StatusCode.INVALID_ARGUMENT),
+    ({"prompt": "hi", "params": common_pb2.SamplingParams(max_tokens=10**9)}, grpc.StatusCode.INVALID_ARGUMENT),
+    ({"token_ids": generate_pb2.TokenIds(ids=[-5])}, grpc.StatusCode.INVALID_ARGUMENT),
+    ({"prompt": "hi", "model": "no-such-model"}, grpc.StatusCode.NOT_FOUND),
+])
+def test_bad_requests_get_status_codes(stub, fields, code):
+    with pytest.raises(grpc.RpcError) as info:
+        generate(stub, **fields)
+    assert info.value.code() == code and info.value.details()
+
+
+def test_list_models(stub):
+    models = stub.ListModels(generate_pb2.ListModelsRequest(), timeout=10).models
+    assert [m.id for m in models] == ["HuggingFaceTB/SmolLM2-135M-Instruct"]
+    assert models[0].max_model_len > 0
+
+
+def test_health_and_reflection(tandem_stack):
+    channel = make_channel(tandem_stack.grpc_target)
+    try:
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        reply = next(reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+            iter([request]), timeout=10))
+        names = {s.name for s in reply.list_services_response.service}
+        assert "tandem.v1.TandemService" in names
+    finally:
+        channel.close()

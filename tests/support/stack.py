@@ -1,0 +1,243 @@
+"""The whole tandem stack for tests: `tandem up` as a real process on free
+loopback ports, with handles to kill and restart single children (fault
+tests) and to read each process's Prometheus metrics.
+
+Use the `tandem_stack` fixture. A stack takes a minute or two to start on two
+cores, so stacks are shared: every module asking for the same StackOptions
+gets the same stack for the whole session. A module that kills children asks
+for `private=True` and gets its own, stopped when the module ends.
+
+Options per module: `TANDEM_STACK_OPTIONS = StackOptions(...)` at module
+level, or indirect parametrization with a StackOptions.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import httpx
+import pytest
+
+from tests.support.ports import free_port
+
+START_TIMEOUT_S = float(os.environ.get("TANDEM_TEST_STACK_TIMEOUT", "300"))
+
+
+@dataclass(frozen=True)
+class StackOptions:
+    prefill: int = 1
+    decode: int = 1
+    store: str = "memory"  # or a redis:// URL
+    extra_args: tuple[str, ...] = ()  # more `tandem up` flags
+    private: bool = False  # True: not shared (the module kills or restarts children)
+
+
+class TandemStack:
+    def __init__(self, options: StackOptions) -> None:
+        self.options = options
+        self.dir = tempfile.mkdtemp(prefix="tandem-stack-")
+        self.state_file = os.path.join(self.dir, "state.json")
+        self.http_port = free_port()
+        self.launcher: Optional[subprocess.Popen] = None
+        self.state: dict = {}
+        self.model = ""
+        self._restarted: list[subprocess.Popen] = []
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> "TandemStack":
+        o = self.options
+        argv = [sys.executable, "-m", "tandem.services.launcher", "up", "--port", str(self.http_port),
+                "--grpc-port", str(free_port()), "--prefill", str(o.prefill), "--decode", str(o.decode),
+                "--store", o.store, "--state-file", self.state_file, "--log-dir", self.dir,
+                "--keep-going", *o.extra_args]
+        self._launcher_log = open(os.path.join(self.dir, "launcher.log"), "wb")
+        self.launcher = subprocess.Popen(argv, stdout=self._launcher_log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not os.path.exists(self.state_file):
+            if self.launcher.poll() is not None:
+                raise RuntimeError(f"tandem up exited with {self.launcher.returncode}:\n{self.launcher_log()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tandem up not ready after {START_TIMEOUT_S}s:\n{self.launcher_log()}")
+            time.sleep(0.2)
+        with open(self.state_file) as f:
+            self.state = json.load(f)
+        self.model = httpx.get(f"{self.http_url}/v1/models", timeout=10).json()["data"][0]["id"]
+        return self
+
+    def stop(self) -> None:
+        """Always safe to call; leaves no process behind."""
+        if self.launcher and self.launcher.poll() is None:
+            self.launcher.send_signal(signal.SIGTERM)
+            try:
+                self.launcher.wait(30)
+            except subprocess.TimeoutExpired:
+                self.launcher.kill()
+                self.launcher.wait()
+        for child in self.state.get("children", []):
+            _kill_pid(child["pid"])
+        for proc in self._restarted:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if getattr(self, "_launcher_log", None):
+            self._launcher_log.close()
+
+    def launcher_log(self) -> str:
+        try:
+            with open(os.path.join(self.dir, "launcher.log"), errors="replace") as f:
+                return f.read()[-6000:]
+        except OSError:
+            return ""
+
+    # --- where things are ----------------------------------------------------------------
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.state['http_address']}"
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.http_url}/v1"
+
+    @property
+    def grpc_target(self) -> str:
+        return self.state["grpc_address"]
+
+    @property
+    def kvstore_target(self) -> str:
+        return self.child("kvstore")["address"]
+
+    @property
+    def children(self) -> list[dict]:
+        return self.state["children"]
+
+    def child(self, name: str) -> dict:
+        for c in self.children:
+            if c["name"] == name:
+                return c
+        raise KeyError(f"no child {name!r}; have {[c['name'] for c in self.children]}")
+
+    @property
+    def metrics_urls(self) -> dict[str, str]:
+        """Child name (router, kvstore, prefill-0, decode-1, ...) -> its /metrics URL."""
+        urls = {}
+        for c in self.children:
+            if c["role"] == "router":
+                urls[c["name"]] = f"{self.http_url}/metrics"
+            else:
+                urls[c["name"]] = f"http://127.0.0.1:{c['metrics_port']}/metrics"
+        return urls
+
+    # --- metrics -----------------------------------------------------------------------
+
+    def metric(self, name: str, metric: str, **labels: str) -> float:
+        """Sum of the samples of `metric` (exposed name, e.g. tandem:prompt_tokens_total)
+        on child `name` whose labels include `labels`."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(self.metrics_urls[name], timeout=10).text
+        total = 0.0
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == metric and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    total += sample.value
+        return total
+
+    # --- faults ------------------------------------------------------------------------
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one child (the launcher runs with --keep-going and carries on)."""
+        child = self.child(name)
+        _kill_pid(child["pid"])
+        deadline = time.monotonic() + 10
+        while _alive(child["pid"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def restart(self, name: str, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Start a killed child again with its own command line on its old port."""
+        child = self.child(name)
+        argv = list(child["argv"])
+        port = child["address"].rsplit(":", 1)[1]
+        argv[argv.index("--port") + 1] = port
+        log_path = child["log_path"] + ".restarted"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=dict(os.environ, **child.get("env", {})))
+        self._restarted.append(proc)
+        child["pid"] = proc.pid
+        deadline = time.monotonic() + timeout_s
+        marker = f"{child['role']} listening on"
+        while True:
+            with open(log_path, errors="replace") as f:
+                if marker in f.read():
+                    return
+            if proc.poll() is not None or time.monotonic() > deadline:
+                with open(log_path, errors="replace") as f:
+                    raise RuntimeError(f"restarting {name} failed:\n{f.read()[-4000:]}")
+            time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie child of the launcher counts as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _kill_pid(pid: Optional[int]) -> None:
+    if pid and _alive(pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+# Shared stacks live for the whole session; config.add_cleanup stops them at its
+# end. (A module-level registry instead of a session fixture, so that importing
+# `tandem_stack` alone is enough for a test module.)
+_SHARED: dict[StackOptions, TandemStack] = {}
+
+
+def _stop_shared() -> None:
+    while _SHARED:
+        _SHARED.popitem()[1].stop()
+
+
+@pytest.fixture(scope="module")
+def tandem_stack(request) -> Iterator[TandemStack]:
+    options = (getattr(request, "param", None) or getattr(request.module, "TANDEM_STACK_OPTIONS", None)
+               or StackOptions())
+    if not options.private and options in _SHARED:
+        yield _SHARED[options]
+        return
+    stack = TandemStack(options)
+    try:
+        stack.start()
+    except BaseException:
+        stack.stop()
+        raise
+    if options.private:
+        try:
+            yield stack
+        finally:
+            stack.stop()
+        return
+    if not _SHARED:
+        request.config.add_cleanup(_stop_shared)
+    _SHARED[options] = stack
+    yield stack

@@ -1,0 +1,133 @@
+"""The gateway's validation, errors and auth, in process: the real FastAPI app,
+the real tokenizer and chat template, and a decode tier with no healthy
+instance (so a valid request gets as far as routing and a clean 503)."""
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tandem.engine.loader import load_model_info
+from tandem.services.router.app import GatewayConfig, create_app
+from tandem.services.router.backends import BackendPool
+from tandem.services.router.dispatch import Dispatcher
+from tandem.services.router.frontend import Frontend, ServedModel
+from tandem.services.router.policies import make_policy
+from tandem.services.router.telemetry import RouterTelemetry
+from tandem.v1 import decode_pb2_grpc, prefill_pb2_grpc
+
+pytestmark = pytest.mark.timeout(120)
+
+KEY = "sk-test-key"
+
+
+@pytest.fixture(scope="module")
+def served() -> ServedModel:
+    info = load_model_info("smollm2")
+    return ServedModel(model_id=info.model_id, max_model_len=256, tokenizer=info.tokenizer,
+                       aliases={"smollm2"})
+
+
+def make_client(served: ServedModel, api_keys: list[str]) -> TestClient:
+    # No targets in either tier: nothing is ever healthy, no channel is used.
+    prefill = BackendPool("prefill", [], prefill_pb2_grpc.PrefillServiceStub)
+    decode = BackendPool("decode", [], decode_pb2_grpc.DecodeServiceStub)
+    telemetry = RouterTelemetry(served.model_id)
+    dispatcher = Dispatcher(prefill, decode, make_policy("round_robin"), make_policy("round_robin"),
+                            32, telemetry)
+    app = create_app(Frontend(served, dispatcher), telemetry, {"prefill": prefill, "decode": decode},
+                     GatewayConfig(api_keys=api_keys, max_body_bytes=64 * 1024))
+    return TestClient(app, raise_server_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def client(served) -> TestClient:
+    return make_client(served, [])
+
+
+def chat(**overrides) -> dict:
+    body = {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "max_tokens": 4,
+            "messages": [{"role": "user", "content": "Hello"}]}
+    body.update(overrides)
+    return body
+
+
+BAD_CHATS = [
+    ("wrong type", chat(max_tokens="ten"), 400, "max_tokens"),
+    ("empty messages", chat(messages=[]), 400, "messages"),
+    ("unknown role", chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages[0].role"),
+    ("over the context", chat(max_tokens=10_000), 400, "max_tokens"),
+    ("n zero", chat(n=0), 400, "n"),
+    ("n too large", chat(n=1000), 400, "n"),
+    ("negative temperature", chat(temperature=-1.0), 400, "temperature"),
+    ("top_p zero", chat(top_p=0.0), 400, "top_p"),
+    ("top_logprobs alone", chat(top_logprobs=3), 400, "top_logprobs"),
+    ("too many top_logprobs", chat(logprobs=True, top_logprobs=50), 400, "logprobs"),
+    ("stop of wrong type", chat(stop=[1, 2]), 400, "stop"),
+    ("unknown model", chat(model="gpt-17"), 404, "model"),
+]
+
+
+@pytest.mark.parametrize("name,body,status,param", BAD_CHATS, ids=[c[0] for c in BAD_CHATS])
+def test_bad_chat_requests_get_openai_errors(client, name, body, status, param):
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"] and error["type"]
+    assert param in (error["param"] or "") or param in error["message"]
+
+
+def test_malformed_json_is_a_400(client):
+    r = client.post("/v1/chat/completions", content=b"{not json",
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+def test_invalid_utf8_is_a_400(client):
+    r = client.post("/v1/completions", content=b'{"prompt": "\xff\xfe"}',
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "UTF-8" in r.json()["error"]["message"]
+
+
+def test_oversize_body_is_a_413(client):
+    r = client.post("/v1/completions", json={"prompt": "x" * 100_000})
+    assert r.status_code == 413
+
+
+def test_completion_token_ids_outside_the_vocabulary(client):
+    r = client.post("/v1/completions", json={"prompt": [1, 2, 10**8], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_valid_request_without_decode_instances_is_a_clean_503(client):
+    r = client.post("/v1/chat/completions", json=chat())
+    assert r.status_code == 503
+    assert "decode" in r.json()["error"]["message"]
+
+
+def test_models_lists_the_stable_id(client, served):
+    data = client.get("/v1/models").json()["data"]
+    assert [m["id"] for m in data] == [served.model_id]
+
+
+def test_unknown_route_is_an_openai_error(client):
+    r = client.get("/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_health_says_unavailable_without_decode(client):
+    assert client.get("/health").status_code == 503
+
+
+def test_metrics_are_exposed(client):
+    client.post("/v1/chat/completions", json=chat(n=0))
+    text = client.get("/metrics").text
+    assert 'tandem:router_requests_total{' in text and 'status="400"' in text
+
+
+def test_api_key_is_required_except_for_health(served):
+    keyed = make_client(served, [KEY, "another-key"])
+    assert keyed.get("/v1/models").status_code == 401
+    assert keyed.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert keyed.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    assert keyed.get("/v1/models", headers={"Authorization": "Bearer another-key"}).status_code == 200
+    assert keyed.get("/health").status_code == 503  # reachable without a key (no decode here)
