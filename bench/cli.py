@@ -5,29 +5,16 @@ with `parser.set_defaults(handler=fn)`, fn(args) -> exit code.
 """
 from __future__ import annotations
 
-import importlib
+from tandem.bench import kernels, latency, serve, sweep, throughput
 
-from tandem.bench import serve, sweep
-
-# Subcommands written alongside serve/sweep; imported by name so a missing one
-# shows up as a missing subcommand rather than a broken CLI.
-OTHER_SUBCOMMANDS = ("tandem.bench.throughput", "tandem.bench.latency", "tandem.bench.kernels")
+SUBCOMMANDS = (serve, sweep, throughput, latency, kernels)
 
 
 def register(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks: serve, sweep, throughput, latency, kernels",
                                   description="Measure tandem (or any OpenAI-compatible server) and its parts.")
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
-    serve.register(sub)
-    sweep.register(sub)
-    for name in OTHER_SUBCOMMANDS:
-        # TEMP: tolerate modules that are not written yet; remove this try before release.
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:
-                raise  # the module exists but something it imports is missing: a real error
-            continue
+    for module in SUBCOMMANDS:
         module.register(sub)
 
 
