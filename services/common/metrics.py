@@ -57,6 +57,16 @@ NUM_WAITING_PROMPT_TOKENS = Gauge(
     "Prompt tokens of queued requests still to be computed (prefill's load signal).", ENGINE)
 KV_CACHE_USAGE_PERC = Gauge(
     "tandem:kv_cache_usage_perc", "Fraction of KV-cache blocks in use, 0..1.", ENGINE)
+KV_CACHE_FREE_BLOCKS = Gauge(
+    "tandem:kv_cache_free_blocks",
+    "KV-cache blocks no request holds (cached prefixes count as free: they are reused or evicted "
+    "on demand). Back at kv_cache_total_blocks when idle; lower means a request holds blocks.",
+    ENGINE)
+KV_CACHE_TOTAL_BLOCKS = Gauge(
+    "tandem:kv_cache_total_blocks", "KV-cache blocks this engine can hand out.", ENGINE)
+REQUESTS_REJECTED = Counter(
+    "tandem:requests_rejected",
+    "Requests refused with RESOURCE_EXHAUSTED because the queue was full (back-pressure).", ENGINE)
 
 PREFIX_CACHE_QUERIES = Counter(
     "tandem:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", ENGINE)
@@ -111,9 +121,16 @@ ROUTER_REQUESTS = Counter(
     "tandem:router_requests",
     "Requests answered by the router, by status (HTTP code or gRPC code name).",
     ENGINE + ("status",))
+ROUTER_BACKEND_FAILURES = Counter(
+    "tandem:router_backend_failures",
+    "Calls to a backend instance that failed and took it out of the pool, by tier and instance.",
+    ENGINE + ("target_role", "backend"))
+ROUTER_HEALTHY_INSTANCES = Gauge(
+    "tandem:router_healthy_instances", "Backend instances passing health checks, per tier.",
+    ENGINE + ("target_role",))
 ROUTER_ROUTING_DECISIONS = Counter(
     "tandem:router_routing_decisions", "Requests sent to each backend instance.",
-    ENGINE + ("target_role", "instance"))
+    ENGINE + ("target_role", "backend"))
 ROUTER_PREFILL_SKIPPED = Counter(
     "tandem:router_prefill_skipped",
     "Requests sent straight to decode without a prefill hop.", ENGINE)

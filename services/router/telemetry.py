@@ -8,6 +8,13 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 
+# The statuses a client commonly gets: HTTP codes from the gateway, gRPC code
+# names from the public gRPC API.
+INITIAL_STATUSES = ("200", "400", "401", "404", "413", "429", "499", "500", "502", "503", "504",
+                    "OK", "INVALID_ARGUMENT", "NOT_FOUND", "UNAUTHENTICATED", "RESOURCE_EXHAUSTED",
+                    "CANCELLED", "UNAVAILABLE", "DEADLINE_EXCEEDED")
+
+
 class RouterTelemetry:
     def __init__(self, model: str) -> None:
         from tandem.services.common import metrics
@@ -15,12 +22,29 @@ class RouterTelemetry:
         self._m = metrics
         self._labels = {"role": "router", "model": model}
         self.in_flight = 0  # requests started and not finished; the gateway's back-pressure limit reads it
+        # Series exist from startup at 0 (rate() and alerts see the first increment).
+        for status in INITIAL_STATUSES:
+            self._labelled("ROUTER_REQUESTS", status=status)
+        self._labelled("ROUTER_PREFILL_SKIPPED")
+        self._labelled("ROUTER_REQUESTS_IN_FLIGHT")
+        for role in ("prefill", "decode"):
+            self._labelled("ROUTER_HEALTHY_INSTANCES", target_role=role)
 
     def _labelled(self, name: str, **extra):
         return getattr(self._m, name).labels(**self._labels, **extra)
 
+    def backend_failed(self, target_role: str, instance: str) -> None:
+        self._labelled("ROUTER_BACKEND_FAILURES", target_role=target_role, backend=instance).inc()
+
+    def healthy_instances(self, target_role: str, count: int) -> None:
+        self._labelled("ROUTER_HEALTHY_INSTANCES", target_role=target_role).set(count)
+
+    def refused(self, status: str) -> None:
+        """A request answered before it started (no key, router full)."""
+        self._labelled("ROUTER_REQUESTS", status=status).inc()
+
     def routed(self, target_role: str, instance: str) -> None:
-        self._labelled("ROUTER_ROUTING_DECISIONS", target_role=target_role, instance=instance).inc()
+        self._labelled("ROUTER_ROUTING_DECISIONS", target_role=target_role, backend=instance).inc()
 
     def prefill_skipped(self) -> None:
         self._labelled("ROUTER_PREFILL_SKIPPED").inc()

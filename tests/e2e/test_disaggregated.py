@@ -115,12 +115,12 @@ def test_new_requests_avoid_a_dead_decode_instance(stack):
     alive_address = stack.child(alive)["address"]
     stack.kill(dead)
     before = stack.metric("router", "tandem:router_routing_decisions_total", target_role="decode",
-                          instance=alive_address)
+                          backend=alive_address)
     for i in range(4):
         out = complete(stack, token_prompt(10 + i, 40), max_tokens=3)
         assert out["choices"][0]["finish_reason"] == "length"
     after = stack.metric("router", "tandem:router_routing_decisions_total", target_role="decode",
-                         instance=alive_address)
+                         backend=alive_address)
     assert after - before == 4
     health = httpx.get(f"{stack.http_url}/health").json()
     assert health["instances"]["decode"] == {"healthy": 1, "total": 2}

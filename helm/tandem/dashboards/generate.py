@@ -5,9 +5,8 @@ and run `python helm/tandem/dashboards/generate.py` rather than editing the
 JSON by hand. tests/unit/test_helm_chart.py checks that every expression names
 only metrics the services export.
 
-Prometheus renames a scraped `instance` label to `exported_instance` (the
-target's own `instance` wins), so the router's routing decisions are grouped
-by `exported_instance`.
+The router labels per-instance series `backend` (host:port), not `instance`,
+which Prometheus reserves for the scrape target.
 """
 import json
 from pathlib import Path
@@ -128,7 +127,7 @@ router = dash("tandem-router", "tandem / router", [
         panel("End-to-end latency", q("tandem:router_e2e_request_latency_seconds", "router"), "s"),
     ]),
     ("Routing", [
-        panel("Routing decisions per instance", [(f"sum by (target_role, exported_instance) (rate(tandem:router_routing_decisions_total{sel('router')}[{R}]))", "{{target_role}} {{exported_instance}}")], "reqps",
+        panel("Routing decisions per instance", [(f"sum by (target_role, backend) (rate(tandem:router_routing_decisions_total{sel('router')}[{R}]))", "{{target_role}} {{backend}}")], "reqps",
               "How evenly the routing policy spreads requests over instances."),
     ]),
 ])
