@@ -104,15 +104,41 @@ def _has_tokenizer_files(folder: str) -> bool:
     return os.path.isdir(folder) and any(os.path.exists(os.path.join(folder, n)) for n in names)
 
 
+@functools.lru_cache(maxsize=8)
+def _gguf_as_folder(path: str) -> Optional[str]:
+    """The GGUF converted once into a HF folder in the user's cache (see
+    gguf_cache), or None when the cache is off or unwritable."""
+    from tandem.engine import gguf_cache
+
+    return gguf_cache.cached_hf_folder(
+        path, read_config=lambda: _hf_config("gguf", path), read_tokenizer=lambda: _tokenizer("gguf", path),
+        read_state=lambda: gguf_state_dict(path))
+
+
+def _readable(kind: str, path: Optional[str]) -> tuple[str, Optional[str]]:
+    """(kind, path) to read config, tokenizer and weights from: a GGUF file is
+    read from its converted folder when there is one."""
+    if kind == "gguf" and path is not None:
+        folder = _gguf_as_folder(path)
+        if folder is not None:
+            return "hf_dir", folder
+    return kind, path
+
+
 def load_model_info(model: str, load_format: str = "auto", hf_config: Any = None,
                     tokenizer: Optional[str] = None, max_model_len: Optional[int] = None) -> ModelInfo:
     source = resolve_source(model, load_format)
+    kind, path = _readable(source.kind, source.path)
     config = hf_config if hf_config is not None else _hf_config(
-        "gguf" if source.kind == "gguf" else "hf_dir", source.path)
+        "gguf" if kind == "gguf" else "hf_dir", path)
     tok = None
+    if tokenizer in EMBEDDED_ALIASES:
+        # The embedded SmolLM2's tokenizer in front of another model (e.g. a
+        # dummy-weight architecture preset that comes as a config alone).
+        tokenizer = embedded_gguf_path()
     tok_path = tokenizer or source.path
     if tok_path is not None and (tok_path.endswith(".gguf") or _has_tokenizer_files(tok_path)):
-        tok = _tokenizer("gguf" if tok_path.endswith(".gguf") else "hf_dir", tok_path)
+        tok = _tokenizer(*_readable("gguf" if tok_path.endswith(".gguf") else "hf_dir", tok_path))
     limit = getattr(config, "max_position_embeddings", None) or 4096
     if max_model_len is not None:
         if max_model_len > limit:
@@ -162,12 +188,12 @@ def load_weights(model: torch.nn.Module, source: ModelSource, config: Any, seed:
                 gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
                 p.normal_(0.0, std, generator=gen)
         return
-    state = (gguf_state_dict(source.path) if source.kind == "gguf"
-             else _safetensors_state_dict(source.path))
+    kind, path = _readable(source.kind, source.path)
+    state = gguf_state_dict(path) if kind == "gguf" else _safetensors_state_dict(path)
     params = dict(model.named_parameters())
     missing = [n for n in params if n not in state and not (n == "lm_head.weight" and model.tie_word_embeddings)]
     if missing:
-        raise ValueError(f"weights missing from {source.path}: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        raise ValueError(f"weights missing from {path}: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     with torch.no_grad():
         for name, p in params.items():
             if name in state:

@@ -43,23 +43,28 @@ def check_against_oracle(outputs, refs, exact: bool) -> None:
 
 @pytest.fixture(scope="module")
 def smol():
-    from transformers import AutoModelForCausalLM
+    import os
 
-    from tandem.engine.loader import gguf_state_dict, load_model_info
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    info = load_model_info("smollm2")
-    state = gguf_state_dict(info.source.path)
-    hf = AutoModelForCausalLM.from_config(info.hf_config).float().eval()
-    hf.load_state_dict(state, strict=False)
+    from tandem.engine.loader import embedded_gguf_path, gguf_state_dict
+
+    # The oracle reads the GGUF file itself; the engine reads the folder it
+    # was converted into (engine/gguf_cache.py), so the conversion is tested too.
+    path = embedded_gguf_path()
+    folder, name = os.path.dirname(path), os.path.basename(path)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, gguf_file=name)).float().eval()
+    hf.load_state_dict(gguf_state_dict(path), strict=False)
     hf.tie_weights()
-    ids = info.tokenizer(TEXT * 8)["input_ids"]
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    ids = tokenizer(TEXT * 8)["input_ids"]
     rng = random.Random(0)
     prompts = []
     for n in LENGTHS:  # slices from different offsets: mixed content, mixed lengths
         start = rng.randrange(0, len(ids) - n)
         prompts.append(ids[start:start + n])
     refs = [hf_greedy(hf, p, MAX_NEW, eos_token_id=None) for p in prompts]
-    return {"hf": hf, "prompts": prompts, "refs": refs, "tokenizer": info.tokenizer}
+    return {"hf": hf, "prompts": prompts, "refs": refs, "tokenizer": tokenizer}
 
 
 def test_smollm2_batch_matches_hf(smol):
