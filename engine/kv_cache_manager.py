@@ -45,6 +45,24 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
+    def append_slot(self, request: Request) -> Optional[list[int]]:
+        """The decode fast path: allocate_slots(request, 1) when that would neither
+        allocate a block nor name one, i.e. the next token's slot is in a block
+        the request holds and no block becomes full. Returns the block table, or
+        None when the general path must run. Most decode steps end here, so the
+        scheduler's per-request work stays a few comparisons."""
+        rid = request.request_id
+        ids = self._block_ids.get(rid)
+        if ids is None:
+            return None
+        total = request.num_computed_tokens + 1
+        if total > len(ids) * self.block_size:
+            return None
+        if (self.enable_caching and min(total, len(request.all_token_ids)) // self.block_size
+                > self._num_hashed.get(rid, 0)):
+            return None
+        return ids
+
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Optional[list[KVCacheBlock]] = None,
                        num_external_tokens: int = 0) -> Optional[list[KVCacheBlock]]:
@@ -59,16 +77,20 @@ class KVCacheManager:
         num_hit_tokens = len(new_computed_blocks) * self.block_size
         total = request.num_computed_tokens + num_hit_tokens + num_external_tokens + num_new_tokens
         num_needed = -(-total // self.block_size) - len(blocks) - len(new_computed_blocks)
-        # Hit blocks that are free leave the free queue when touched.
-        num_hits_in_free_queue = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_needed > self.pool.num_free_blocks - num_hits_in_free_queue:
+        if new_computed_blocks:
+            # Hit blocks that are free leave the free queue when touched.
+            num_hits_in_free_queue = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+            if num_needed > self.pool.num_free_blocks - num_hits_in_free_queue:
+                return None
+            self.pool.touch(new_computed_blocks)
+        elif num_needed > self.pool.num_free_blocks:
             return None
-        self.pool.touch(new_computed_blocks)
-        new_blocks = self.pool.allocate(max(num_needed, 0)) if num_needed > 0 else []
+        new_blocks = self.pool.allocate(num_needed) if num_needed > 0 else []
         ids = self._block_ids.setdefault(request.request_id, [])
         for added in (new_computed_blocks, new_blocks):
-            blocks.extend(added)
-            ids.extend(b.block_id for b in added)
+            if added:
+                blocks.extend(added)
+                ids.extend([b.block_id for b in added])
         self._cache_full_blocks(request, blocks, min(total, request.num_tokens))
         return new_blocks
 

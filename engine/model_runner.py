@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from tandem.engine.block_table import BlockTables
 from tandem.engine.config import EngineConfig
 from tandem.engine.loader import ModelInfo, load_weights
 from tandem.engine.models import LlamaFamilyForCausalLM
@@ -75,9 +76,17 @@ class ModelRunner:
         log.info("model on %s (%s), %d KV blocks of %d tokens", self.device, self.dtype,
                  self.num_blocks, self.block_size)
         self.graphs = None  # set by enable_cuda_graphs once the engine knows max_model_len
+        self.block_tables = BlockTables(config.scheduler.max_num_seqs)
+        self._arange = np.arange(config.scheduler.max_num_seqs + 1, dtype=np.int64)
 
     def enable_cuda_graphs(self, max_model_len: int) -> None:
         if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        from tandem.kernels.ops import triton_backend_selected
+
+        if not triton_backend_selected():
+            # The torch twins read lengths on the host, which a graph cannot capture.
+            log.info("TANDEM_ATTENTION_BACKEND=torch: decode runs eagerly, without CUDA graphs")
             return
         from tandem.engine.cuda_graphs import DecodeGraphs
 
@@ -116,80 +125,56 @@ class ModelRunner:
 
     # ---- inputs --------------------------------------------------------
     def prepare(self, plan: SchedulerOutput) -> BatchInputs:
-        if all(s.num_new_tokens == 1 for s in plan.scheduled):
-            return self._prepare_decode(plan)
+        """The step's tensors. A few passes over the plan collect per-request
+        numbers; everything per token is whole-array numpy, and the block tables
+        are updated in place (BlockTables), so a decode step costs little per request.
+        The result is valid until the next prepare()."""
+        scheduled = plan.scheduled
+        n = len(scheduled)
         bs = self.block_size
-        ids: list[int] = []
-        positions, slots = [], []
-        starts = [0]
-        seq_lens: list[int] = []
-        logits_rows: list[int] = []
-        sampling: list[ScheduledRequest] = []
-        max_blocks = max(len(s.block_ids) for s in plan.scheduled)
-        tables = np.zeros((len(plan.scheduled), max_blocks), dtype=np.int32)
-        for i, s in enumerate(plan.scheduled):
-            end = s.start + s.num_new_tokens
-            ids.extend(s.request.all_token_ids[s.start:end])
-            pos = np.arange(s.start, end, dtype=np.int64)
-            table = np.asarray(s.block_ids, dtype=np.int64)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            tables[i, : len(s.block_ids)] = table
-            starts.append(starts[-1] + s.num_new_tokens)
-            seq_lens.append(end)
-            if s.samples:
-                logits_rows.append(starts[-1] - 1)
-                sampling.append(s)
+        if n >= len(self._arange):
+            self._arange = np.arange(2 * n + 1, dtype=np.int64)
+        tables = self.block_tables.update([s.block_ids for s in scheduled])
+        starts = np.array([s.start for s in scheduled], dtype=np.int64)
+        q_lens = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
+        num_tokens = np.array([len(s.request.all_token_ids) for s in scheduled], dtype=np.int64)
+        seq_lens = starts + q_lens
+        max_query_len = int(q_lens.max())
+        if max_query_len == 1:  # decode-only: one row per request
+            ids = [s.request.all_token_ids[s.start] for s in scheduled]
+            query_start_loc = self._arange[: n + 1]
+            positions, seq_of_token = starts, self._arange[:n]
+        else:
+            ids = []
+            for s in scheduled:
+                ids.extend(s.request.all_token_ids[s.start:s.start + s.num_new_tokens])
+            query_start_loc = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(q_lens, out=query_start_loc[1:])
+            seq_of_token = np.repeat(self._arange[:n], q_lens)
+            positions = np.arange(len(ids), dtype=np.int64) + np.repeat(starts - query_start_loc[:-1], q_lens)
+        slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        # A request samples when this step reaches its last known token.
+        sample_rows = np.flatnonzero(seq_lens == num_tokens)
+        logits_indices = query_start_loc[sample_rows + 1] - 1
+        sampling = list(scheduled) if len(sample_rows) == n else [scheduled[i] for i in sample_rows.tolist()]
+        seq_lens_cpu = seq_lens.tolist()
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(tables).to(dev),
-            max_query_len=max(s.num_new_tokens for s in plan.scheduled),
-            max_seq_len=max(seq_lens),
-            query_start_loc_cpu=starts,
-            seq_lens_cpu=seq_lens,
-        )
-        return BatchInputs(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.from_numpy(np.concatenate(positions)).to(dev),
-            meta=meta,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
-            sampling=sampling,
-        )
 
-    def _prepare_decode(self, plan: SchedulerOutput) -> BatchInputs:
-        """One token per request: plain integer arithmetic, no per-request numpy calls."""
-        bs = self.block_size
-        n = len(plan.scheduled)
-        ids, positions, slots, seq_lens = [0] * n, [0] * n, [0] * n, [0] * n
-        max_blocks = max(len(s.block_ids) for s in plan.scheduled)
-        tables = np.zeros((n, max_blocks), dtype=np.int32)
-        sampling = []
-        for i, s in enumerate(plan.scheduled):
-            pos = s.start
-            ids[i] = s.request.all_token_ids[pos]
-            positions[i] = pos
-            slots[i] = s.block_ids[pos // bs] * bs + pos % bs
-            seq_lens[i] = pos + 1
-            tables[i, : len(s.block_ids)] = s.block_ids
-            if s.samples:
-                sampling.append(s)
-        dev = self.device
-        starts = list(range(n + 1))
+        def to_dev(a: np.ndarray, dtype=None) -> torch.Tensor:
+            t = torch.from_numpy(a if dtype is None else a.astype(dtype))
+            return t.to(dev, non_blocking=True)
+
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
-            query_start_loc=torch.arange(n + 1, dtype=torch.int32).to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
-            max_query_len=1, max_seq_len=max(seq_lens), query_start_loc_cpu=starts, seq_lens_cpu=seq_lens)
-        rows = [i for i, s in enumerate(plan.scheduled) if s.samples]
+            slot_mapping=to_dev(slots),
+            query_start_loc=to_dev(query_start_loc, np.int32),
+            seq_lens=to_dev(seq_lens, np.int32),
+            block_tables=to_dev(tables),
+            max_query_len=max_query_len, max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=query_start_loc.tolist(), seq_lens_cpu=seq_lens_cpu)
         return BatchInputs(
-            input_ids=torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
-            positions=torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
-            meta=meta, logits_indices=torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True),
-            sampling=sampling)
+            input_ids=to_dev(np.array(ids, dtype=np.int64)),
+            positions=to_dev(positions),
+            meta=meta, logits_indices=to_dev(logits_indices), sampling=sampling)
 
     # ---- execution -----------------------------------------------------
     @torch.inference_mode()

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from tandem.engine.connector.base import KVConnector
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     start: int  # tokens [start, start + num_new_tokens) are computed this step
@@ -132,6 +132,15 @@ class Scheduler:
 
     def _schedule_one_running(self, request: Request, budget: int, out: SchedulerOutput) -> int:
         """Schedule a running request, preempting others for blocks; returns tokens used."""
+        start = request.num_computed_tokens
+        if len(request.all_token_ids) == start + 1:
+            # A decode whose slot is already allocated (budget > 0 here): the same
+            # outcome as the general path below, without its bookkeeping.
+            block_ids = self.kv.append_slot(request)
+            if block_ids is not None:
+                request.num_computed_tokens = start + 1
+                out.scheduled.append(ScheduledRequest(request, start, 1, block_ids))
+                return 1
         num_new = self._chunk(request.num_remaining_tokens, budget)
         if num_new <= 0:
             return 0

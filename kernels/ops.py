@@ -9,9 +9,13 @@ from tandem.kernels.metadata import AttentionMetadata
 from tandem.kernels.paged_attention_torch import paged_attention_torch_batched, write_kv_torch
 
 
+def triton_backend_selected() -> bool:
+    """False when TANDEM_ATTENTION_BACKEND=torch forces the twins (debugging on a GPU)."""
+    return os.environ.get("TANDEM_ATTENTION_BACKEND", "triton") == "triton"
+
+
 def _use_triton(t: torch.Tensor) -> bool:
-    # TANDEM_ATTENTION_BACKEND=torch forces the twins (debugging on a GPU).
-    return t.is_cuda and os.environ.get("TANDEM_ATTENTION_BACKEND", "triton") == "triton"
+    return t.is_cuda and triton_backend_selected()
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,

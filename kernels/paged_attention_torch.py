@@ -84,16 +84,17 @@ def paged_attention_torch_batched(query: torch.Tensor, kv_cache: torch.Tensor, m
     out = torch.empty_like(query)
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size = kv_cache.shape[2]
-    lens = torch.tensor([seq_lens[i] for i in decodes])
+    dev = query.device  # the CPU lists become tensors where the cache lives
+    lens = torch.tensor([seq_lens[i] for i in decodes], device=dev)
     max_len = int(lens.max())
     num_blocks = (max_len + block_size - 1) // block_size
-    rows = torch.tensor(decodes)
+    rows = torch.tensor(decodes, device=dev)
     tables = meta.block_tables[rows, :num_blocks].long()  # [B, nb]
     k = kv_cache[0][tables].flatten(1, 2)[:, :max_len]  # [B, L, Hkv, D]
     v = kv_cache[1][tables].flatten(1, 2)[:, :max_len]
-    q_rows = torch.tensor([starts[i] for i in decodes])
+    q_rows = torch.tensor([starts[i] for i in decodes], device=dev)
     q = query[q_rows].unsqueeze(2).float()  # [B, H, 1, D]
-    mask = (torch.arange(max_len).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]  # [B, 1, 1, L]
+    mask = (torch.arange(max_len, device=dev).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]  # [B, 1, 1, L]
     o = F.scaled_dot_product_attention(q, k.transpose(1, 2).float(), v.transpose(1, 2).float(),
                                        attn_mask=mask, scale=scale, enable_gqa=True)
     out[q_rows] = o.squeeze(2).to(query.dtype)

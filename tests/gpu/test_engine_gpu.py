@@ -1,8 +1,9 @@
 """The engine on CUDA (Triton kernels, CUDA graphs) against HF transformers on
 the same GPU: token-exact greedy in fp32 (near ties excepted, as on the CPU),
-and >= 99% greedy agreement in bf16."""
+and, in bf16, errors against an fp32 oracle of the size of HF bf16's own."""
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -56,37 +57,74 @@ def hf_greedy_cuda(hf, prompt, n):
     return OracleRun(tokens, lps, top5)
 
 
-def test_bf16_greedy_agrees_with_hf_on_99_percent_of_tokens(tmp_path):
-    """Per-token agreement under teacher forcing: at every position both see the
-    same history (prompt + HF's greedy continuation) and we compare their
-    next-token argmax. HF's choices come from one full forward pass over each
-    history, so neither side mixes incremental and full computation."""
+def test_bf16_error_is_of_the_size_of_hf_bf16s_own(tmp_path):
+    """bf16 is judged against bf16's own rounding noise, measured on HF.
+
+    The oracle is HF in fp32 on the bf16-rounded weights (the exact weights both
+    bf16 runs use). At every position HF bf16 and the engine in bf16 see the
+    same history (prompt + the oracle's greedy continuation). Two measures:
+
+    - the log-probability each gives the oracle's token, against the oracle's
+      (the engine's comes from logprobs=2): the engine's median and p99 error
+      must be within 2x of HF bf16's;
+    - greedy agreement with the oracle where its top two logits are at least
+      DECISIVE_STEPS bf16 steps (2^-7 relative) apart: >= 95%. Tiny random
+      weights give near-uniform logits, so many positions are decided below
+      bf16's resolution, and HF bf16 misses the oracle there too; a real bug
+      (a wrong mask, a stale block) drops agreement far below that.
+    """
     from tandem.engine import LLM, SamplingParams
 
+    DECISIVE_STEPS = 4
     path, hf = tiny_model_dir(tmp_path, "llama")
-    hf = hf.to(device="cuda", dtype=torch.bfloat16)
+    hf_bf16 = hf.to(device="cuda", dtype=torch.bfloat16)
+    oracle = copy.deepcopy(hf_bf16).float()  # bf16-rounded weights, fp32 arithmetic
     llm = LLM(path, device="cuda", dtype="bfloat16", num_blocks=4096)
-    histories, expected, second, tie_limit = [], [], [], []
-    for p in prompts(seed=2) + prompts(seed=3):
-        ref = hf_greedy_cuda(hf, p, 32).tokens
-        with torch.no_grad():
-            logits = hf(torch.tensor([p + ref], device="cuda")).logits[0].float()
-        for t in range(len(ref)):
-            row = logits[len(p) - 1 + t]
-            values, ids = torch.topk(row, 2)
-            histories.append(p + ref[:t])
-            expected.append(int(ids[0]))
-            # Logits come out of a bf16 matrix product: two logits one bf16 step
-            # apart (2^-7 relative) are a tie at that precision, the bf16
-            # counterpart of the near-tie rule used for random weights in fp32.
-            second.append(int(ids[1]))
-            step = 2.0 ** (torch.floor(torch.log2(values[0].abs())) - 7)
-            tie_limit.append(float(values[0] - values[1]) <= float(step))
-    outs = llm.generate(histories, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    histories, expected, hf_picks, margins, oracle_lp, hf_lp = [], [], [], [], [], []
+    with torch.no_grad():
+        for p in prompts(seed=2) + prompts(seed=3):
+            ref = hf_greedy_cuda(oracle, p, 32).tokens
+            ids = torch.tensor([p + ref], device="cuda")
+            logits = oracle(ids).logits[0]
+            lp_oracle = torch.log_softmax(logits, -1)
+            lp_hf = torch.log_softmax(hf_bf16(ids).logits[0].float(), -1)
+            top2 = torch.topk(logits, 2, dim=-1)
+            step = torch.exp2(torch.floor(torch.log2(top2.values[:, 0].abs())) - 7)
+            margin = ((top2.values[:, 0] - top2.values[:, 1]) / step).tolist()
+            want = top2.indices[:, 0].tolist()
+            got = lp_hf.argmax(-1).tolist()
+            for t in range(len(ref)):
+                at = len(p) - 1 + t
+                histories.append(p + ref[:t])
+                expected.append(want[at])
+                hf_picks.append(got[at])
+                margins.append(margin[at])
+                oracle_lp.append(float(lp_oracle[at, want[at]]))
+                hf_lp.append(float(lp_hf[at, want[at]]))
+    outs = llm.generate(histories, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=2))
     ours = [o.outputs[0].token_ids[0] for o in outs]
-    exact = sum(a == e for a, e in zip(ours, expected))
-    ties = sum(a != e and a == s and tie for a, e, s, tie in zip(ours, expected, second, tie_limit))
+    # The oracle's token among the engine's chosen and top-2 logprobs (it is the
+    # engine's own pick wherever the two agree; elsewhere usually its top-1 or top-2).
+    ours_lp = []
+    for o, e in zip(outs, expected):
+        entry = o.outputs[0].logprobs[0]
+        table = dict(entry.top)
+        table[o.outputs[0].token_ids[0]] = entry.logprob
+        ours_lp.append(table.get(e))
+    known = [i for i, v in enumerate(ours_lp) if v is not None]
+    engine_err = torch.tensor([abs(ours_lp[i] - oracle_lp[i]) for i in known])
+    hf_err = torch.tensor([abs(hf_lp[i] - oracle_lp[i]) for i in known])
+    q = torch.tensor([0.5, 0.99])
+    engine_q, hf_q = engine_err.quantile(q).tolist(), hf_err.quantile(q).tolist()
     n = len(expected)
-    print(f"bf16 greedy agreement (teacher-forced): exact {exact}/{n} = {exact / n:.4f}; "
-          f"with one-bf16-step ties {exact + ties}/{n} = {(exact + ties) / n:.4f}")
-    assert (exact + ties) / n >= 0.99
+    decisive = [i for i, m in enumerate(margins) if m >= DECISIVE_STEPS]
+    engine_agree = sum(ours[i] == expected[i] for i in decisive) / len(decisive)
+    hf_agree = sum(hf_picks[i] == expected[i] for i in decisive) / len(decisive)
+    print(f"{n} positions; |logprob - oracle| of the oracle's token over {len(known)}: "
+          f"engine p50 {engine_q[0]:.2e} p99 {engine_q[1]:.2e}, HF bf16 p50 {hf_q[0]:.2e} p99 {hf_q[1]:.2e}")
+    print(f"greedy agreement, all: engine {sum(a == e for a, e in zip(ours, expected)) / n:.4f}, "
+          f"HF bf16 {sum(a == e for a, e in zip(hf_picks, expected)) / n:.4f}; "
+          f"margin >= {DECISIVE_STEPS} steps ({len(decisive)}): engine {engine_agree:.4f}, HF bf16 {hf_agree:.4f}")
+    assert len(known) >= 0.95 * n
+    assert engine_q[0] <= 2 * hf_q[0] and engine_q[1] <= 2 * hf_q[1]
+    assert engine_agree >= 0.95
