@@ -21,7 +21,7 @@ class ModelConfig:
     # A transformers PretrainedConfig, when the caller already has one (tests,
     # dummy weights); otherwise read from `model`.
     hf_config: Optional[object] = None
-    tokenizer: Optional[str] = None  # defaults to `model`
+    tokenizer: Optional[str] = None  # a HF folder, a .gguf file or "smollm2"; None: `model`'s own
 
 
 @dataclass
@@ -55,6 +55,8 @@ class EngineConfig:
     # Where KV goes besides the local cache: None for a colocated engine.
     kv_connector: Optional[str] = None  # "kvstore" (LMCache: see docs/architecture.md)
     kv_connector_url: Optional[str] = None  # e.g. "127.0.0.1:50081"
+    # TLS for the connector's channel to the store (tandem.services.common.grpc_server.TLSConfig).
+    kv_connector_tls: Optional[object] = None
     kv_role: KVRole = "both"
 
     def resolved_device(self) -> str:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from tandem.services.common.config import add_flag
+from tandem.services.common.grpc_server import add_tls_arguments
 
 ROLES = ("router", "prefill", "decode", "kvstore")
 LISTENING = re.compile(r"^(\w+) listening on (\S+):(\d+)\s*$")
@@ -153,9 +154,16 @@ def plan_stack(args: argparse.Namespace, log_dir: str) -> tuple[Child, list[Chil
                      argv=[*py, f"tandem.services.{role}.server", "--host", host,
                            "--metrics-port", str(metrics_port), *extra])
 
-    kvstore = child("kvstore", None, ["--port", str(args.kvstore_port), "--backend", args.store])
+    tls_flags: list[str] = []
+    for flag in ("tls_cert", "tls_key", "tls_ca"):
+        if getattr(args, flag, None):
+            tls_flags += ["--" + flag.replace("_", "-"), os.path.abspath(getattr(args, flag))]
+    kvstore = child("kvstore", None, ["--port", str(args.kvstore_port), "--backend", args.store,
+                                      *tls_flags])
     engine_flags = ["--model", args.model, "--block-size", str(args.block_size),
                     "--policy", args.policy]
+    if args.tokenizer:
+        engine_flags += ["--tokenizer", args.tokenizer]
     if args.num_blocks:
         engine_flags += ["--num-blocks", str(args.num_blocks)]
     if args.max_model_len:
@@ -166,6 +174,7 @@ def plan_stack(args: argparse.Namespace, log_dir: str) -> tuple[Child, list[Chil
                      "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     if args.enforce_eager:
         engine_flags.append("--enforce-eager")
+    engine_flags += ["--max-queued-requests", str(args.max_queued_requests), *tls_flags]
     prefills = [child("prefill", i, ["--port", "0", *engine_flags]) for i in range(args.prefill)]
     decodes = [child("decode", i, ["--port", "0", *engine_flags]) for i in range(args.decode)]
     gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
@@ -173,9 +182,12 @@ def plan_stack(args: argparse.Namespace, log_dir: str) -> tuple[Child, list[Chil
         if gpus:
             engine.env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
     router_flags = ["--model", args.model, "--routing", args.routing,
-                    "--prefill-threshold", str(args.prefill_threshold)]
+                    "--prefill-threshold", str(args.prefill_threshold),
+                    "--max-in-flight", str(args.max_in_flight), *tls_flags]
     if args.max_model_len:
         router_flags += ["--max-model-len", str(args.max_model_len)]
+    if args.tokenizer:
+        router_flags += ["--tokenizer", args.tokenizer]
     return kvstore, prefills, decodes, router_flags
 
 
@@ -308,6 +320,9 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
              help="KV store backend: memory, or a Redis URL such as redis://127.0.0.1:6379/0")
     add_flag(p, "--model", default=DEFAULT_MODEL, help="model id, HF folder or .gguf file (default: embedded SmolLM2)")
     add_flag(p, "--max-model-len", type=int, default=None, help="context length; unset: the model's own")
+    add_flag(p, "--tokenizer", default=None,
+             help="tokenizer for every engine and the router instead of the model's own: HF folder, "
+                  ".gguf file or 'smollm2' (serves a dummy-weight config-only model folder)")
     add_flag(p, "--block-size", type=int, default=16, help="tokens per KV block")
     add_flag(p, "--num-blocks", type=int, default=None, help="KV blocks per engine; unset: sized from memory")
     add_flag(p, "--policy", default="fifo", choices=["fifo", "srtf"], help="engines' scheduling policy")
@@ -329,6 +344,11 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--prefill-threshold", type=int, default=32,
              help="prompts shorter than this skip the prefill tier")
     add_flag(p, "--api-key", default=None, nargs="*", help="API keys the gateway requires")
+    add_flag(p, "--max-in-flight", type=int, default=1024,
+             help="requests the router serves at once; more get HTTP 429 / RESOURCE_EXHAUSTED")
+    add_flag(p, "--max-queued-requests", type=int, default=512,
+             help="requests each engine queues beyond --max-num-seqs; more are refused (back-pressure)")
+    add_tls_arguments(p)
     add_flag(p, "--startup-timeout", type=float, default=300.0, help="seconds each tier may take to start")
     add_flag(p, "--log-dir", default=None, help="where each process writes its log; unset: a temp folder")
     add_flag(p, "--state-file", default=None,

@@ -29,7 +29,8 @@ class KVStoreConnector(KVConnector):
 
         if not config.kv_connector_url:
             raise ValueError("the kvstore connector needs kv_connector_url (host:port of the KV store)")
-        self.client = KVStoreClient(config.kv_connector_url, timeout_s=timeout_s)
+        self.client = KVStoreClient(config.kv_connector_url, timeout_s=timeout_s,
+                                    tls=config.kv_connector_tls)
         self.role = config.kv_role
         self.kv = kv
         self.block_size = kv.block_size

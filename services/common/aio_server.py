@@ -15,7 +15,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tandem.services.common.grpc_server import CHANNEL_OPTIONS, TLSConfig, _read
+from tandem.services.common.grpc_server import (CHANNEL_OPTIONS, RECONNECT_OPTIONS, TLSConfig, _read,
+                                                channel_credentials)
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +40,16 @@ class RunningAioServer:
 
 
 async def start_aio_grpc_server(add_servicers: Callable[[grpc.aio.Server], list[str]], host: str,
-                                port: int, tls: Optional[TLSConfig] = None) -> RunningAioServer:
+                                port: int, tls: Optional[TLSConfig] = None,
+                                max_receive_bytes: Optional[int] = None) -> RunningAioServer:
     """Start a server on the running loop; `add_servicers` registers servicers and
-    returns their full names. port 0 picks a free port; the chosen one is returned."""
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    returns their full names. port 0 picks a free port; the chosen one is returned.
+    max_receive_bytes: a smaller limit on incoming messages (public APIs)."""
+    options = list(CHANNEL_OPTIONS)
+    if max_receive_bytes:
+        options = [o for o in options if o[0] != "grpc.max_receive_message_length"]
+        options.append(("grpc.max_receive_message_length", max_receive_bytes))
+    server = grpc.aio.server(options=options)
     names = add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -65,12 +72,15 @@ async def start_aio_grpc_server(add_servicers: Callable[[grpc.aio.Server], list[
     return running
 
 
-def make_aio_channel(target: str, tls: Optional[TLSConfig] = None) -> grpc.aio.Channel:
-    """An asyncio client channel to another role, with the same message limits."""
-    if tls and tls.ca_file:
-        creds = grpc.ssl_channel_credentials(
-            root_certificates=_read(tls.ca_file),
-            private_key=_read(tls.key_file) if tls.key_file else None,
-            certificate_chain=_read(tls.cert_file) if tls.cert_file else None)
-        return grpc.aio.secure_channel(target, creds, options=CHANNEL_OPTIONS)
-    return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+def make_aio_channel(target: str, tls: Optional[TLSConfig] = None,
+                     server_name: Optional[str] = None) -> grpc.aio.Channel:
+    """An asyncio client channel to another role, with the same message limits.
+    server_name: the name its TLS certificate must carry, when `target` is an
+    address resolved from that name."""
+    creds = channel_credentials(tls)
+    if creds is not None:
+        options = CHANNEL_OPTIONS + RECONNECT_OPTIONS
+        if server_name:
+            options = options + [("grpc.ssl_target_name_override", server_name)]
+        return grpc.aio.secure_channel(target, creds, options=options)
+    return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
 from typing import Optional
 
+import grpc
+
 from tandem.services.common.config import add_flag
+from tandem.services.common.grpc_server import add_tls_arguments, tls_from_args
 from tandem.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -29,6 +33,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, role: str, default_
              help=f"{role} gRPC port; 0 picks a free one (printed in the listening line)")
     add_flag(parser, "--model", default=DEFAULT_MODEL,
              help="model id, HF folder or .gguf file; the default is the embedded SmolLM2-135M-Instruct")
+    add_flag(parser, "--tokenizer", default=None,
+             help="tokenizer to use instead of the model's own: HF folder, .gguf file or 'smollm2' "
+                  "(e.g. for a dummy-weight model given as a config.json alone)")
     add_flag(parser, "--kvstore", default=None,
              help="host:port of the KV store service; unset: no connector (KV stays local)")
     add_flag(parser, "--block-size", type=int, default=16, help="tokens per KV block")
@@ -57,6 +64,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, role: str, default_
                   "(two engines on one GPU: 0.45 each)")
     add_flag(parser, "--enforce-eager", type=bool, default=False,
              help="no CUDA graphs for decode (slower; for debugging)")
+    add_flag(parser, "--max-queued-requests", type=int, default=512,
+             help="requests this instance holds beyond --max-num-seqs before it refuses new ones "
+                  "with RESOURCE_EXHAUSTED (the router then tries another instance or answers 429)")
+    add_flag(parser, "--shutdown-timeout", type=float, default=30.0,
+             help="on SIGTERM: seconds in-flight requests get to finish (new ones are refused "
+                  "and health says NOT_SERVING at once)")
+    add_tls_arguments(parser)
 
 
 def build_engine_config(args: argparse.Namespace, kv_role: str):
@@ -64,7 +78,8 @@ def build_engine_config(args: argparse.Namespace, kv_role: str):
 
     return EngineConfig(
         model=ModelConfig(model=args.model, max_model_len=args.max_model_len,
-                          dtype=args.dtype, load_format=args.load_format),
+                          dtype=args.dtype, load_format=args.load_format,
+                          tokenizer=getattr(args, "tokenizer", None)),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=not args.no_prefix_caching),
@@ -72,6 +87,7 @@ def build_engine_config(args: argparse.Namespace, kv_role: str):
                                   max_num_seqs=args.max_num_seqs, policy=args.policy),
         kv_connector="kvstore" if args.kvstore else None,
         kv_connector_url=args.kvstore or None,
+        kv_connector_tls=tls_from_args(args),
         kv_role=kv_role,
         device=args.device,
         enforce_eager=args.enforce_eager,
@@ -170,6 +186,14 @@ class EngineMetrics:
         self._engine = engine
         self._labels = {"role": role, "model": engine.model_id}
         self._last: dict[str, float] = {}
+        # Every series exists from startup at 0, so rate() and alerts see the
+        # first increment instead of a series appearing out of nowhere.
+        for name, extra in self.COUNTERS.values():
+            self._labelled(name, **extra)
+        for name in ("REQUESTS_REJECTED", "GENERATION_TOKENS", "PROMPT_TOKENS"):
+            self._labelled(name)
+        for reason in ("stop", "length", "abort"):
+            self._labelled("REQUEST_SUCCESS", finished_reason=reason)
 
     def _labelled(self, name: str, **extra):
         return getattr(self._m, name).labels(**self._labels, **extra)
@@ -180,6 +204,8 @@ class EngineMetrics:
         self._labelled("NUM_REQUESTS_WAITING").set(stats.num_waiting)
         self._labelled("NUM_WAITING_PROMPT_TOKENS").set(stats.num_waiting_prompt_tokens)
         self._labelled("KV_CACHE_USAGE_PERC").set(stats.kv_cache_usage)
+        self._labelled("KV_CACHE_FREE_BLOCKS").set(stats.num_free_blocks)
+        self._labelled("KV_CACHE_TOTAL_BLOCKS").set(stats.num_total_blocks)
         for field, (name, extra) in self.COUNTERS.items():
             self._add(field, getattr(stats, field), name, extra)
         # Transfer time is cumulative seconds in stats; observe each poll's share.
@@ -204,6 +230,9 @@ class EngineMetrics:
             except Exception:  # metrics must never take the service down
                 log.exception("polling engine stats failed")
             await asyncio.sleep(interval_s)
+
+    def rejected(self) -> None:
+        self._labelled("REQUESTS_REJECTED").inc()
 
     def start_request(self) -> RequestTimer:
         return RequestTimer(arrival=time.monotonic())
@@ -235,6 +264,33 @@ class EngineMetrics:
             self._labelled("REQUEST_SUCCESS", finished_reason=finish_reason).inc()
 
 
+# --- back-pressure ----------------------------------------------------------------
+
+class Admission:
+    """Bounds the requests one instance holds (running plus queued) so a burst
+    is refused at the door with RESOURCE_EXHAUSTED instead of growing the
+    engine's queue, and its memory, without limit."""
+
+    def __init__(self, limit: int, metrics: "EngineMetrics") -> None:
+        self.limit = limit
+        self.in_flight = 0
+        self._metrics = metrics
+
+    @contextlib.asynccontextmanager
+    async def admit(self, context):
+        if self.in_flight >= self.limit:
+            self._metrics.rejected()
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this instance holds {self.in_flight} requests, its limit (--max-num-seqs + "
+                "--max-queued-requests); retry shortly or on another instance")
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+
+
 # --- running a service ------------------------------------------------------------
 
 async def wait_for_shutdown_signal() -> str:
@@ -253,8 +309,11 @@ async def run_engine_service(args: argparse.Namespace, *, role: str, kv_role: st
     """Load the engine, serve gRPC + /metrics, print the listening line, run until
     SIGINT/SIGTERM, then stop gracefully.
 
-    `add_servicers(server, engine, metrics)` registers the role's servicer and
-    returns the full service names (for health and reflection).
+    `add_servicers(server, engine, metrics, admission)` registers the role's
+    servicer and returns the full service names (for health and reflection).
+
+    SIGTERM drains: health turns NOT_SERVING (routers stop sending), new calls
+    are refused, in-flight ones get --shutdown-timeout seconds to finish.
     """
     from tandem.engine import AsyncLLMEngine
     from tandem.services.common.aio_server import start_aio_grpc_server
@@ -268,18 +327,20 @@ async def run_engine_service(args: argparse.Namespace, *, role: str, kv_role: st
     metrics = EngineMetrics(engine, role)
     start_metrics_server(args.metrics_port)
     poller = asyncio.create_task(metrics.poll_forever())
-    server = await start_aio_grpc_server(lambda s: add_servicers(s, engine, metrics),
-                                         args.host, args.port)
+    admission = Admission(args.max_num_seqs + args.max_queued_requests, metrics)
+    server = await start_aio_grpc_server(lambda s: add_servicers(s, engine, metrics, admission),
+                                         args.host, args.port, tls=tls_from_args(args))
     if args.metrics_port:
         print(f"{role} metrics on http://{args.host}:{args.metrics_port}/metrics", flush=True)
     # The launcher and tests wait for exactly this line.
     print(f"{role} listening on {args.host}:{server.port}", flush=True)
     try:
         sig = await wait_for_shutdown_signal()
-        log.info("%s: %s received, stopping", role, sig)
+        log.info("%s: %s received; draining %d in-flight request(s) for up to %.0fs", role, sig,
+                 admission.in_flight, args.shutdown_timeout)
     finally:
         poller.cancel()
-        await server.stop(grace_s=5.0)
+        await server.stop(grace_s=args.shutdown_timeout)
         engine.shutdown()
     return 0
 

@@ -32,6 +32,36 @@ class TLSConfig:
         return bool(self.cert_file and self.key_file)
 
 
+def add_tls_arguments(parser) -> None:
+    """--tls-cert/--tls-key/--tls-ca, the same on every role (and their TANDEM_TLS_* twins)."""
+    from tandem.services.common.config import add_flag
+
+    add_flag(parser, "--tls-cert", default=None,
+             help="PEM certificate: with --tls-key, this role's gRPC server speaks TLS, and it is "
+                  "the client certificate this role shows when it calls other roles (mTLS)")
+    add_flag(parser, "--tls-key", default=None, help="PEM private key of --tls-cert")
+    add_flag(parser, "--tls-ca", default=None,
+             help="PEM CA bundle: calls to other roles go over TLS and trust only it; this role's "
+                  "server (with --tls-cert/--tls-key) then also requires client certificates it "
+                  "signed (mTLS); unset: plaintext gRPC between roles")
+
+
+def tls_from_args(args) -> Optional["TLSConfig"]:
+    """The TLSConfig the flags ask for, or None; a half-given pair is an error."""
+    cert, key, ca = (getattr(args, name, None) for name in ("tls_cert", "tls_key", "tls_ca"))
+    if bool(cert) != bool(key):
+        raise SystemExit("error: --tls-cert and --tls-key go together")
+    for flag, path in (("--tls-cert", cert), ("--tls-key", key), ("--tls-ca", ca)):
+        if path:
+            try:
+                _read(path)
+            except OSError as exc:
+                raise SystemExit(f"error: {flag} {path}: {exc.strerror}") from None
+    if not (cert or ca):
+        return None
+    return TLSConfig(cert_file=cert, key_file=key, ca_file=ca)
+
+
 def _read(path: str) -> bytes:
     with open(path, "rb") as f:
         return f.read()
@@ -95,10 +125,18 @@ RECONNECT_OPTIONS = [
 def make_channel(target: str, tls: Optional[TLSConfig] = None) -> grpc.Channel:
     """A client channel to another role, with the same message limits and a short reconnect back-off."""
     options = CHANNEL_OPTIONS + RECONNECT_OPTIONS
-    if tls and tls.ca_file:
-        creds = grpc.ssl_channel_credentials(
-            root_certificates=_read(tls.ca_file),
-            private_key=_read(tls.key_file) if tls.key_file else None,
-            certificate_chain=_read(tls.cert_file) if tls.cert_file else None)
+    creds = channel_credentials(tls)
+    if creds is not None:
         return grpc.secure_channel(target, creds, options=options)
     return grpc.insecure_channel(target, options=options)
+
+
+def channel_credentials(tls: Optional[TLSConfig]) -> Optional[grpc.ChannelCredentials]:
+    """Client credentials: TLS when a CA is given (trust only it), showing the
+    certificate as a client certificate when one is given; None: plaintext."""
+    if not (tls and tls.ca_file):
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(tls.ca_file),
+        private_key=_read(tls.key_file) if tls.key_file else None,
+        certificate_chain=_read(tls.cert_file) if tls.cert_file else None)

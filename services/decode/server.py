@@ -13,7 +13,7 @@ import asyncio
 import grpc
 
 from tandem.services.common.engine_service import (
-    EngineMetrics, add_engine_arguments, load_from_stats, logprob_to_proto, run_engine_service,
+    Admission, EngineMetrics, add_engine_arguments, load_from_stats, logprob_to_proto, run_engine_service,
     run_main, sampling_params_from_proto)
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
@@ -21,9 +21,10 @@ ROLE = "decode"
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
-    def __init__(self, engine, metrics: EngineMetrics) -> None:
+    def __init__(self, engine, metrics: EngineMetrics, admission: Admission) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.admission = admission
 
     async def Decode(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
         from tandem.engine import SamplingParamsError
@@ -35,6 +36,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         if not request.prompt_token_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "prompt_token_ids: must contain at least one token")
+        async with self.admission.admit(context):
+            async for reply in self._decode(request, params, context):
+                yield reply
+
+    async def _decode(self, request: decode_pb2.DecodeRequest, params, context):
+        from tandem.engine import SamplingParamsError
+
         first = list(request.first_token_ids) or None
         timer = self.metrics.start_request()
         last = None
@@ -65,8 +73,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         return load_from_stats(self.engine.stats())
 
 
-def _add_servicers(server: grpc.aio.Server, engine, metrics: EngineMetrics) -> list[str]:
-    decode_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(engine, metrics), server)
+def _add_servicers(server: grpc.aio.Server, engine, metrics: EngineMetrics,
+                   admission: Admission) -> list[str]:
+    decode_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(engine, metrics, admission), server)
     return [decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name]
 
 

@@ -23,7 +23,8 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from tandem.services.common.config import add_flag
-from tandem.services.common.grpc_server import RunningServer, start_grpc_server
+from tandem.services.common.grpc_server import (RunningServer, add_tls_arguments, start_grpc_server,
+                                                tls_from_args)
 from tandem.services.kvstore.backends import Backend, BackendStats, BackendUnavailable, open_backend
 from tandem.services.kvstore.client import split_chunks
 from tandem.v1 import kvstore_pb2, kvstore_pb2_grpc
@@ -242,6 +243,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="same as --capacity-bytes")
     add_flag(parser, "--metrics-port", type=int, default=0,
              help="HTTP port of this service's Prometheus /metrics; 0 turns it off")
+    add_flag(parser, "--shutdown-timeout", type=float, default=5.0,
+             help="on SIGTERM: seconds in-flight calls get to finish")
+    add_tls_arguments(parser)
 
 
 def _open_backend_or_exit(args: argparse.Namespace) -> Backend:
@@ -252,7 +256,7 @@ def _open_backend_or_exit(args: argparse.Namespace) -> Backend:
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Serve until SIGINT/SIGTERM, then stop gracefully (in-flight calls get 5 s)."""
+    """Serve until SIGINT/SIGTERM, then stop gracefully (in-flight calls get --shutdown-timeout)."""
     backend = _open_backend_or_exit(args)
     try:
         backend.stats()
@@ -273,7 +277,7 @@ def serve(args: argparse.Namespace) -> int:
         kvstore_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(backend, metrics), server)
         return [SERVICE_NAME]
 
-    server = start_grpc_server(add_servicers, args.host, args.port)
+    server = start_grpc_server(add_servicers, args.host, args.port, tls=tls_from_args(args))
     stop = threading.Event()
     watcher = threading.Thread(target=watch_backend, args=(backend, server, metrics, stop),
                                name="kvstore-watch", daemon=True)
@@ -289,7 +293,7 @@ def serve(args: argparse.Namespace) -> int:
     print(f"{ROLE} listening on {args.host}:{server.port}", flush=True)
     while not stop.wait(0.5):  # short waits: the signal handler runs between them
         pass
-    server.stop(grace_s=5.0)
+    server.stop(grace_s=args.shutdown_timeout)
     watcher.join(timeout=5.0)
     backend.close()
     return 0

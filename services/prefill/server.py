@@ -15,7 +15,7 @@ import asyncio
 import grpc
 
 from tandem.services.common.engine_service import (
-    EngineMetrics, add_engine_arguments, load_from_stats, logprob_to_proto, run_engine_service,
+    Admission, EngineMetrics, add_engine_arguments, load_from_stats, logprob_to_proto, run_engine_service,
     run_main, sampling_params_from_proto)
 from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
@@ -23,9 +23,10 @@ ROLE = "prefill"
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
-    def __init__(self, engine, metrics: EngineMetrics) -> None:
+    def __init__(self, engine, metrics: EngineMetrics, admission: Admission) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.admission = admission
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         from tandem.engine import SamplingParamsError
@@ -40,6 +41,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         if not request.prompt_token_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "prompt_token_ids: must contain at least one token")
+        async with self.admission.admit(context):
+            return await self._prefill(request, params, context)
+
+    async def _prefill(self, request: prefill_pb2.PrefillRequest, params, context):
+        from tandem.engine import SamplingParamsError
+
         timer = self.metrics.start_request()
         reply = prefill_pb2.PrefillResponse()
         last = None
@@ -79,8 +86,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         return load_from_stats(self.engine.stats())
 
 
-def _add_servicers(server: grpc.aio.Server, engine, metrics: EngineMetrics) -> list[str]:
-    prefill_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(engine, metrics), server)
+def _add_servicers(server: grpc.aio.Server, engine, metrics: EngineMetrics,
+                   admission: Admission) -> list[str]:
+    prefill_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(engine, metrics, admission), server)
     return [prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name]
 
 

@@ -59,6 +59,35 @@ def _validation_message(exc: pydantic.ValidationError) -> tuple[str, Optional[st
     return f"{path or 'body'}: {first.get('msg')}", path or None
 
 
+class _RequireAPIKey:
+    """Every route but /health needs `Authorization: Bearer <key>` when keys are set.
+
+    Plain ASGI on purpose: Starlette's BaseHTTPMiddleware (@app.middleware)
+    wraps `receive` so that request.is_disconnected() never sees a client that
+    hung up before the response started, and the request would run on."""
+
+    def __init__(self, app, keys: list[str], telemetry: RouterTelemetry) -> None:
+        self.app = app
+        self.keys = [k.encode() for k in keys]
+        self.telemetry = telemetry
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and self.keys and scope["path"] != "/health":
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            token = given[7:] if given[:7].lower() == b"bearer " else b""
+            # Compare against every key so timing does not say which one nearly matched.
+            ok = False
+            for key in self.keys:
+                ok |= hmac.compare_digest(token, key)
+            if not ok:
+                self.telemetry.refused("401")
+                response = _error(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
+                                  code="invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 @dataclass
 class _Choice:
     text: str = ""
@@ -89,19 +118,7 @@ def create_app(frontend: Frontend, telemetry: RouterTelemetry, pools: dict[str, 
 
     # --- cross-cutting: auth, body size, errors ----------------------------------------
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if config.api_keys and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            token = given[7:] if given.lower().startswith("bearer ") else ""
-            # Compare against every key so timing does not say which one nearly matched.
-            ok = False
-            for key in config.api_keys:
-                ok |= hmac.compare_digest(token.encode(), key.encode())
-            if not ok:
-                return _error(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
-                              code="invalid_api_key")
-        return await call_next(request)
+    app.add_middleware(_RequireAPIKey, keys=config.api_keys, telemetry=telemetry)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
@@ -134,6 +151,7 @@ def create_app(frontend: Frontend, telemetry: RouterTelemetry, pools: dict[str, 
     async def handle(request: Request, kind: type[pydantic.BaseModel],
                      run: Callable[[Request, pydantic.BaseModel, RequestClock], Awaitable[Response]]):
         if telemetry.in_flight >= config.max_in_flight:
+            telemetry.refused("429")
             return _error(429, f"The router has {telemetry.in_flight} requests in flight, its limit; "
                           "retry shortly.", headers={"Retry-After": "1"})
         clock = telemetry.start()
@@ -149,7 +167,8 @@ def create_app(frontend: Frontend, telemetry: RouterTelemetry, pools: dict[str, 
             return _error(exc.status, exc.message, exc.param, exc.code)
         except DispatchError as exc:
             clock.finish(str(exc.http_status))
-            return _error(exc.http_status, exc.message)
+            retry = {"Retry-After": "1"} if exc.http_status in (429, 503) else None
+            return _error(exc.http_status, exc.message, headers=retry)
         except BaseException:
             clock.finish("500")
             raise
@@ -199,6 +218,8 @@ def create_app(frontend: Frontend, telemetry: RouterTelemetry, pools: dict[str, 
         request_id = new_request_id("chatcmpl")
         created, model_id = now(), frontend.model.model_id
         stream = frontend.generate(request_id, prompt, params)
+        if body.stream:
+            stream = await _primed(request, stream, clock)
 
         def chunk(index: int, delta: dict, lps: Optional[list], finish: Optional[str]) -> dict:
             return {"id": request_id, "object": "chat.completion.chunk", "created": created,
@@ -267,6 +288,8 @@ def create_app(frontend: Frontend, telemetry: RouterTelemetry, pools: dict[str, 
                 yield pi * n + ci, d
 
         stream = flat()
+        if body.stream:
+            stream = await _primed(request, stream, clock)
         with_logprobs = body.logprobs is not None
 
         if body.stream:
@@ -317,6 +340,37 @@ async def _until_disconnect(request: Request, work: asyncio.Task) -> None:
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
             return
+
+
+async def _primed(request: Request, stream: AsyncIterator, clock: RequestClock) -> AsyncIterator:
+    """Wait for a stream's first delta before the status line goes out, so that a
+    request refused downstream (every queue full, no decode instance, invalid)
+    gets its real status (429, 503, 400) instead of a 200 and an error event.
+    Returns the same stream, first delta included."""
+    first = asyncio.ensure_future(stream.__anext__())
+    await _until_disconnect(request, first)
+    if first.cancelled():
+        await stream.aclose()
+        clock.finish("499")
+        raise asyncio.CancelledError()
+    try:
+        head = [first.result()]
+    except StopAsyncIteration:
+        head = []
+    except BaseException:
+        await stream.aclose()
+        raise
+
+    async def replay() -> AsyncIterator:
+        try:
+            for item in head:
+                yield item
+            async for item in stream:
+                yield item
+        finally:
+            await stream.aclose()
+
+    return replay()
 
 
 async def _collect(request: Request, stream: AsyncIterator[tuple[int, Delta]], clock: RequestClock,

@@ -7,12 +7,18 @@ Failure handling, in order of preference:
 - a decode instance that fails before its first message is taken out and the
   request goes to another; one that fails mid-stream ends the choice with a
   DispatchError (the client has seen tokens; they cannot be taken back);
+- an instance whose queue is full (RESOURCE_EXHAUSTED) stays in the pool and
+  the request tries the next one; a full prefill tier means decode prefills,
+  a full decode tier is a RESOURCE_EXHAUSTED for the client (HTTP 429), except
+  after prefill, when the client already has a token: then the request waits
+  up to decode_queue_wait_s for room;
 - closing or cancelling the generator cancels the gRPC calls, which aborts the
   request in the engines.
 """
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional, Sequence
 
@@ -71,7 +77,7 @@ class Delta:
 class Dispatcher:
     def __init__(self, prefill: BackendPool, decode: BackendPool, prefill_policy: Policy,
                  decode_policy: Policy, prefill_threshold: int, telemetry: RouterTelemetry,
-                 prefill_timeout_s: float = 300.0) -> None:
+                 prefill_timeout_s: float = 300.0, decode_queue_wait_s: float = 30.0) -> None:
         self.prefill = prefill
         self.decode = decode
         self.prefill_policy = prefill_policy
@@ -79,9 +85,16 @@ class Dispatcher:
         self.prefill_threshold = prefill_threshold
         self.telemetry = telemetry
         self.prefill_timeout_s = prefill_timeout_s
+        self.decode_queue_wait_s = decode_queue_wait_s
+        self._decode_full_until = 0.0  # monotonic time until which new requests get 429
 
     async def generate(self, request_id: str, prompt: Sequence[int],
                        params: common_pb2.SamplingParams) -> AsyncIterator[Delta]:
+        if time.monotonic() < self._decode_full_until:
+            # The decode tier just said it is full: refuse now (429) rather than
+            # prefill a request that would then wait for decode room.
+            raise DispatchError("every decode instance is at its queue limit; retry shortly",
+                                grpc.StatusCode.RESOURCE_EXHAUSTED)
         route = RouteRequest(prompt_token_ids=prompt)
         reply = None
         if len(prompt) >= self.prefill_threshold and self.prefill.instances:
@@ -134,8 +147,11 @@ class Dispatcher:
             try:
                 return await instance.stub.Prefill(request, timeout=self.prefill_timeout_s)
             except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    continue  # full, not broken: try the next one
                 if exc.code() not in INSTANCE_FAILURES:
                     raise DispatchError.from_rpc("prefill", instance.target, exc) from None
+                self.telemetry.backend_failed("prefill", instance.target)
                 self.prefill.mark_failed(instance, f"{exc.code().name}: {exc.details()}")
             finally:
                 instance.outstanding_tokens -= len(prompt)
@@ -146,10 +162,24 @@ class Dispatcher:
                       params: common_pb2.SamplingParams,
                       route: RouteRequest) -> AsyncIterator[decode_pb2.DecodeResponse]:
         tried: set[str] = set()
+        full = 0
         request = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt,
                                            first_token_ids=first, params=params)
+        deadline = time.monotonic() + self.decode_queue_wait_s
         while True:
             candidates = self._candidates(self.decode, tried)
+            if not candidates and full:
+                self._decode_full_until = time.monotonic() + DECODE_FULL_HOLD_S
+            if not candidates and full and first and time.monotonic() < deadline:
+                # The client already has the prefill's token, so a 429 is no longer
+                # possible: wait for a decode queue to make room, then try them again.
+                await asyncio.sleep(0.25)
+                tried.clear()
+                full = 0
+                continue
+            if not candidates and full:
+                raise DispatchError(f"every decode instance is at its queue limit ({full} tried); "
+                                    "retry shortly", grpc.StatusCode.RESOURCE_EXHAUSTED)
             if not candidates:
                 raise DispatchError("no healthy decode instance; retry later", grpc.StatusCode.UNAVAILABLE)
             instance = self.decode_policy.choose(candidates, route)
@@ -164,8 +194,12 @@ class Dispatcher:
                     yield msg
                 return
             except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not streamed:
+                    full += 1
+                    continue  # full, not broken: try the next one
                 if exc.code() not in INSTANCE_FAILURES:
                     raise DispatchError.from_rpc("decode", instance.target, exc) from None
+                self.telemetry.backend_failed("decode", instance.target)
                 self.decode.mark_failed(instance, f"{exc.code().name}: {exc.details()}")
                 if streamed:
                     raise DispatchError(f"decode instance {instance.target} failed mid-stream: "
@@ -178,6 +212,9 @@ class Dispatcher:
 
 
 _DONE = object()
+# After every decode instance refused a request as full, new requests get 429
+# at the door for this long, so requests already prefilled get the room first.
+DECODE_FULL_HOLD_S = 1.0
 
 
 async def merge_choices(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:

@@ -4,6 +4,7 @@ routing and metrics."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 
 import grpc
@@ -45,9 +46,11 @@ class TandemServicer(generate_pb2_grpc.TandemServiceServicer):
 
     async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         if not self._authorized(context):
+            self.telemetry.refused("UNAUTHENTICATED")
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "missing or invalid API key: send metadata 'authorization: Bearer <key>'")
         if self.telemetry.in_flight >= self.max_in_flight:
+            self.telemetry.refused("RESOURCE_EXHAUSTED")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 "the router is at its limit of requests in flight; retry shortly")
         clock = self.telemetry.start()
@@ -58,17 +61,21 @@ class TandemServicer(generate_pb2_grpc.TandemServiceServicer):
             params = common_pb2.SamplingParams()
             params.CopyFrom(request.params)
             self.frontend.finalize_params(len(prompt), params)
-            request_id = request.request_id or new_request_id("gen")
-            async for index, d in self.frontend.generate(request_id, prompt, params):
-                clock.on_tokens(len(d.token_ids))
-                reply = generate_pb2.GenerateResponse(
-                    index=index, token_ids=d.token_ids, text=d.text, logprobs=d.logprobs,
-                    finish_reason=d.finish_reason or "")
-                if d.finish_reason:
-                    reply.usage.CopyFrom(common_pb2.Usage(
-                        prompt_tokens=d.num_prompt_tokens, completion_tokens=d.num_output_tokens,
-                        cached_tokens=d.num_cached_tokens))
-                yield reply
+            # Unique even when clients reuse ids: the engines key requests by it.
+            request_id = new_request_id(request.request_id[:64] or "gen")
+            # aclosing: a client that cancels must cancel the downstream calls
+            # now, not when the generator is garbage-collected.
+            async with contextlib.aclosing(self.frontend.generate(request_id, prompt, params)) as stream:
+                async for index, d in stream:
+                    clock.on_tokens(len(d.token_ids))
+                    reply = generate_pb2.GenerateResponse(
+                        index=index, token_ids=d.token_ids, text=d.text, logprobs=d.logprobs,
+                        finish_reason=d.finish_reason or "")
+                    if d.finish_reason:
+                        reply.usage.CopyFrom(common_pb2.Usage(
+                            prompt_tokens=d.num_prompt_tokens, completion_tokens=d.num_output_tokens,
+                            cached_tokens=d.num_cached_tokens))
+                    yield reply
         except InvalidRequest as exc:
             status = grpc.StatusCode.NOT_FOUND if exc.status == 404 else grpc.StatusCode.INVALID_ARGUMENT
             await context.abort(status, exc.message)

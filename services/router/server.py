@@ -13,6 +13,7 @@ import signal
 
 from tandem.services.common.config import add_flag
 from tandem.services.common.engine_service import DEFAULT_MODEL, run_main
+from tandem.services.common.grpc_server import add_tls_arguments, tls_from_args
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="the model the instances serve (for its tokenizer, chat template and context length)")
     add_flag(parser, "--max-model-len", type=int, default=None,
              help="context length; unset: the model's own limit (keep it equal to the engines')")
+    add_flag(parser, "--tokenizer", default=None,
+             help="tokenizer to use instead of the model's own: HF folder, .gguf file or 'smollm2' "
+                  "(keep it equal to the engines')")
     add_flag(parser, "--routing", default="least_loaded", choices=list(POLICIES),
              help="how to pick an instance in each tier: round_robin, least_loaded (outstanding "
                   "prefill tokens; running requests and KV usage for decode), or prefix_affinity "
@@ -49,13 +53,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="requests in flight beyond which new ones get HTTP 429 / RESOURCE_EXHAUSTED")
     add_flag(parser, "--startup-timeout", type=float, default=300.0,
              help="seconds to wait at startup for a healthy decode instance")
+    add_flag(parser, "--max-body-bytes", type=int, default=4 * 1024 * 1024,
+             help="largest request body (HTTP) or message (gRPC API) accepted; larger ones get "
+                  "413 / RESOURCE_EXHAUSTED")
+    add_flag(parser, "--shutdown-timeout", type=float, default=30.0,
+             help="on SIGTERM: seconds in-flight requests get to finish after the router stops "
+                  "accepting new ones")
+    add_flag(parser, "--health-interval", type=float, default=1.0,
+             help="seconds between health rounds: each re-resolves DNS names in --prefill/--decode "
+                  "(all their addresses join) and checks every instance")
+    add_tls_arguments(parser)
 
 
 def _served_model(args: argparse.Namespace):
     from tandem.engine.loader import EMBEDDED_ALIASES, EMBEDDED_MODEL_ID, load_model_info
     from tandem.services.router.frontend import ServedModel
 
-    info = load_model_info(args.model)
+    info = load_model_info(args.model, tokenizer=getattr(args, "tokenizer", None))
     aliases = {args.model}
     if info.model_id == EMBEDDED_MODEL_ID:
         aliases |= set(EMBEDDED_ALIASES)
@@ -67,7 +81,7 @@ class _Uvicorn:
     """uvicorn's Server without its own signal handling: this process stops the
     HTTP server, the gRPC server and the pools together on SIGINT/SIGTERM."""
 
-    def __init__(self, app, host: str, port: int) -> None:
+    def __init__(self, app, host: str, port: int, shutdown_timeout_s: float) -> None:
         import uvicorn
 
         class Server(uvicorn.Server):
@@ -76,7 +90,8 @@ class _Uvicorn:
                 yield
 
         self.server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                            lifespan="off", timeout_graceful_shutdown=5))
+                                            lifespan="off",
+                                            timeout_graceful_shutdown=shutdown_timeout_s))
 
     async def start(self) -> tuple[asyncio.Task, int]:
         task = asyncio.create_task(self.server.serve())
@@ -109,8 +124,14 @@ async def _serve(args: argparse.Namespace) -> int:
         raise SystemExit("error: --decode needs at least one host:port of a decode instance")
     model = _served_model(args)
     telemetry = RouterTelemetry(model.model_id)
-    prefill = BackendPool("prefill", prefill_targets, prefill_pb2_grpc.PrefillServiceStub)
-    decode = BackendPool("decode", decode_targets, decode_pb2_grpc.DecodeServiceStub)
+    tls = tls_from_args(args)
+
+    def pool(role: str, targets: list[str], stub) -> BackendPool:
+        return BackendPool(role, targets, stub, check_interval_s=args.health_interval, tls=tls,
+                           on_checked=lambda p: telemetry.healthy_instances(role, len(p.healthy())))
+
+    prefill = pool("prefill", prefill_targets, prefill_pb2_grpc.PrefillServiceStub)
+    decode = pool("decode", decode_targets, decode_pb2_grpc.DecodeServiceStub)
     if not await decode.wait_until_healthy(args.startup_timeout):
         log.warning("no decode instance is healthy yet; requests get 503 until one is")
     await prefill.check_all()
@@ -124,12 +145,15 @@ async def _serve(args: argparse.Namespace) -> int:
     grpc_server = None
     if args.grpc_port >= 0:
         servicer = TandemServicer(frontend, telemetry, api_keys, args.max_in_flight)
-        grpc_server = await start_aio_grpc_server(lambda s: add_tandem_service(s, servicer),
-                                                  args.host, args.grpc_port)
+        # Public clients get the HTTP body limit, not the 256 MiB the roles use for KV.
+        grpc_server = await start_aio_grpc_server(
+            lambda s: add_tandem_service(s, servicer), args.host, args.grpc_port,
+            max_receive_bytes=args.max_body_bytes)
         print(f"router grpc listening on {args.host}:{grpc_server.port}", flush=True)
     app = create_app(frontend, telemetry, {"prefill": prefill, "decode": decode},
-                     GatewayConfig(api_keys=api_keys, max_in_flight=args.max_in_flight))
-    http = _Uvicorn(app, args.host, args.port)
+                     GatewayConfig(api_keys=api_keys, max_in_flight=args.max_in_flight,
+                                   max_body_bytes=args.max_body_bytes))
+    http = _Uvicorn(app, args.host, args.port, args.shutdown_timeout)
     http_task, http_port = await http.start()
     # The launcher and tests wait for exactly this line.
     print(f"router listening on {args.host}:{http_port}", flush=True)
@@ -140,10 +164,13 @@ async def _serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     await asyncio.wait({asyncio.create_task(stop.wait()), http_task},
                        return_when=asyncio.FIRST_COMPLETED)
-    log.info("router stopping")
+    # Drain: stop accepting on both APIs at once, let in-flight requests finish
+    # within --shutdown-timeout, then close the pools.
+    log.info("router stopping: draining %d in-flight request(s) for up to %.0fs",
+             telemetry.in_flight, args.shutdown_timeout)
     http.server.should_exit = True
     if grpc_server is not None:
-        await grpc_server.stop(grace_s=5.0)
+        await grpc_server.stop(grace_s=args.shutdown_timeout)
     await asyncio.gather(http_task, return_exceptions=True)
     await prefill.close()
     await decode.close()

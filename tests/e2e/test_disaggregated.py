@@ -95,6 +95,7 @@ def test_requests_survive_a_kvstore_outage(stack):
     baseline_prompt = token_prompt(5, 5 * BLOCK + 3)
     want = complete(stack, baseline_prompt, max_tokens=6)["choices"][0]["text"]
     stack.kill("kvstore")
+    time.sleep(POLL_S)  # the baseline's own tokens must be counted before `before`
     before = by_source(stack, "decode")
     # A fresh prompt: the store lookup fails, so decode computes the whole prompt.
     fresh = token_prompt(6, 5 * BLOCK + 3)

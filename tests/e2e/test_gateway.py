@@ -145,3 +145,39 @@ def test_client_disconnect_aborts_the_request_in_decode(tandem_stack):
         time.sleep(0.5)
     assert running == 0, "the abandoned request still runs in decode"
     assert tandem_stack.metric("router", "tandem:router_requests_total", status="499") >= 1
+
+
+def test_client_that_leaves_during_prefill_stops_the_request_there(tandem_stack):
+    """A long prompt is still in prefill when the client hangs up: the router
+    cancels the Prefill call (the engine aborts the request, or drops the reply
+    of a step already under way), prefill frees its blocks, and decode never
+    sees the request."""
+    import json as _json
+    import socket
+
+    m = tandem_stack.metric
+    routed_before = m("router", "tandem:router_routing_decisions_total", target_role="prefill")
+    decode_before = m("router", "tandem:router_routing_decisions_total", target_role="decode")
+    cancelled_before = m("router", "tandem:router_requests_total", status="499")
+    computed_before = m("prefill-0", "tandem:prompt_tokens_by_source_total", source="local_compute")
+    body = _json.dumps({"model": tandem_stack.model, "max_tokens": 4, "stream": True,
+                        "messages": [{"role": "user", "content": "word " * 1500}]}).encode()
+    host, port = tandem_stack.state["http_address"].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 30
+        while (m("router", "tandem:router_routing_decisions_total", target_role="prefill") == routed_before
+               and time.monotonic() < deadline):
+            time.sleep(0.1)
+        assert m("router", "tandem:router_routing_decisions_total", target_role="prefill") == routed_before + 1
+    # Leaving the `with` hung up. Wait until prefill has been through the prompt.
+    deadline = time.monotonic() + 60
+    while (m("prefill-0", "tandem:prompt_tokens_by_source_total", source="local_compute") < computed_before + 1500
+           and time.monotonic() < deadline):
+        time.sleep(0.5)
+    time.sleep(1.0)  # one more metrics poll
+    assert m("prefill-0", "tandem:num_requests_running") == 0
+    assert m("prefill-0", "tandem:kv_cache_free_blocks") == m("prefill-0", "tandem:kv_cache_total_blocks")
+    assert m("router", "tandem:router_routing_decisions_total", target_role="decode") == decode_before
+    assert m("router", "tandem:router_requests_total", status="499") == cancelled_before + 1

@@ -2,7 +2,6 @@
 stubs generated from the protos."""
 from __future__ import annotations
 
-import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -54,17 +53,7 @@ def test_generate_n_choices(stub):
     assert finished == {0, 1}
 
 
-@pytest.mark.parametrize("fields,code", [
-    ({}, grpc.StatusCode.INVALID_ARGUMENT),  # no input
-    ({"prompt": "hi", "params": common_pb2.SamplingParams(temperature=-1)}, grpc.StatusCode.INVALID_ARGUMENT),
-    ({"prompt": "hi", "params": common_pb2.SamplingParams(max_tokens=10**9)}, grpc.StatusCode.INVALID_ARGUMENT),
-    ({"token_ids": generate_pb2.TokenIds(ids=[-5])}, grpc.StatusCode.INVALID_ARGUMENT),
-    ({"prompt": "hi", "model": "no-such-model"}, grpc.StatusCode.NOT_FOUND),
-])
-def test_bad_requests_get_status_codes(stub, fields, code):
-    with pytest.raises(grpc.RpcError) as info:
-        generate(stub, **fields)
-    assert info.value.code() == code and info.value.details()
+# Bad requests: tests/e2e/test_bad_inputs.py (the table over HTTP and gRPC).
 
 
 def test_list_models(stub):
@@ -85,3 +74,25 @@ def test_health_and_reflection(tandem_stack):
         assert "tandem.v1.TandemService" in names
     finally:
         channel.close()
+
+
+def test_cancelled_generate_aborts_the_request_in_decode(stub, tandem_stack):
+    import time
+
+    decode = [c["name"] for c in tandem_stack.children if c["role"] == "decode"]
+    cancelled_before = tandem_stack.metric("router", "tandem:router_requests_total", status="CANCELLED")
+    call = stub.Generate(generate_pb2.GenerateRequest(
+        prompt="Count to a thousand:", params=common_pb2.SamplingParams(
+            max_tokens=2000, ignore_eos=True, temperature=0.0)), timeout=120)
+    for _, _reply in zip(range(3), call):
+        pass
+    call.cancel()  # the client leaves mid-stream
+    deadline = time.monotonic() + 20
+    running = None
+    while time.monotonic() < deadline:
+        running = sum(tandem_stack.metric(d, "tandem:num_requests_running") for d in decode)
+        if running == 0:
+            break
+        time.sleep(0.5)
+    assert running == 0, "the cancelled request still runs in decode"
+    assert tandem_stack.metric("router", "tandem:router_requests_total", status="CANCELLED") == cancelled_before + 1

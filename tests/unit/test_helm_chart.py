@@ -53,7 +53,7 @@ VARIANTS = {
                                      "pvc": {"claimName": "models"}},
                            "tls": {"enabled": True, "secretName": "tandem-mtls"},
                            "prefill": {"enabled": False},
-                           "router": {"service": {"type": "LoadBalancer"}}},
+                           "router": {"service": {"type": "LoadBalancer"}, "apiKeySecret": "tandem-keys"}},
 }
 
 
@@ -267,6 +267,8 @@ def test_pvc_model_tls_and_no_prefill_tier(rendered):
     assert container(kvstore)["readinessProbe"] == {"tcpSocket": {"port": 50081}, "periodSeconds": 5,
                                                     "failureThreshold": 2}
     assert "EXTERNAL-IP" in notes
+    (api_key,) = [e for e in container(router)["env"] if e["name"] == "TANDEM_API_KEY"]
+    assert api_key["valueFrom"] == {"secretKeyRef": {"name": "tandem-keys", "key": "api-keys"}}
 
 
 def _role_parser(role: str) -> argparse.ArgumentParser:
@@ -276,7 +278,7 @@ def _role_parser(role: str) -> argparse.ArgumentParser:
     return parser
 
 
-@pytest.mark.parametrize("variant", ["default", "redis", "keda"])
+@pytest.mark.parametrize("variant", ["default", "redis", "keda", "pvc-tls-no-prefill"])
 def test_every_role_accepts_the_env_the_chart_sets(rendered, variant, monkeypatch):
     """Each TANDEM_* variable is a real flag's env twin with a value the flag
     parses (the same code path `tandem serve <role>` runs in the pod)."""
@@ -293,7 +295,8 @@ def test_every_role_accepts_the_env_the_chart_sets(rendered, variant, monkeypatc
             if key.startswith("TANDEM_"):
                 monkeypatch.delenv(key)
         for key, value in env.items():
-            monkeypatch.setenv(key, value)
+            # From a Secret (valueFrom): any value; the flag exists, checked above.
+            monkeypatch.setenv(key, value if value is not None else "secret")
         args = _role_parser(d.role).parse_args([])
         assert args.host == "0.0.0.0" and args.port == container(d)["ports"][0]["containerPort"]
         if variant == "keda" and d.role == "decode":  # user env reaches the flags, typed

@@ -131,3 +131,71 @@ def test_api_key_is_required_except_for_health(served):
     assert keyed.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
     assert keyed.get("/v1/models", headers={"Authorization": "Bearer another-key"}).status_code == 200
     assert keyed.get("/health").status_code == 503  # reachable without a key (no decode here)
+
+
+def test_router_at_its_limit_answers_429_with_retry_after(served):
+    prefill = BackendPool("prefill", [], prefill_pb2_grpc.PrefillServiceStub)
+    decode = BackendPool("decode", [], decode_pb2_grpc.DecodeServiceStub)
+    telemetry = RouterTelemetry(served.model_id)
+    dispatcher = Dispatcher(prefill, decode, make_policy("round_robin"), make_policy("round_robin"),
+                            32, telemetry)
+    app = create_app(Frontend(served, dispatcher), telemetry, {"prefill": prefill, "decode": decode},
+                     GatewayConfig(max_in_flight=0))
+    r = TestClient(app, raise_server_exceptions=False).post("/v1/chat/completions", json=chat())
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_a_refused_stream_gets_its_real_status_not_200(client):
+    # The status line waits for the first token, so a request no decode can take
+    # is a 503 with Retry-After, not a 200 followed by an error event.
+    r = client.post("/v1/chat/completions", json=chat(stream=True))
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert "decode" in r.json()["error"]["message"]
+
+
+def test_status_series_exist_from_startup(client):
+    text = client.get("/metrics").text
+    for status in ("429", "499", "503", "RESOURCE_EXHAUSTED"):
+        assert f'status="{status}"' in text
+    assert "tandem:router_healthy_instances{" in text
+
+
+def test_grpc_api_needs_a_key_too_and_keys_come_from_the_environment(served, monkeypatch):
+    import argparse
+    import asyncio
+
+    import grpc
+
+    from tandem.services.common.aio_server import start_aio_grpc_server
+    from tandem.services.router.grpc_api import TandemServicer, add_tandem_service
+    from tandem.services.router.server import add_arguments
+    from tandem.v1 import generate_pb2, generate_pb2_grpc
+
+    monkeypatch.setenv("TANDEM_API_KEY", f"{KEY},another-key")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    keys = parser.parse_args([]).api_key
+    assert keys == [KEY, "another-key"]
+
+    async def codes() -> list[str]:
+        decode = BackendPool("decode", [], decode_pb2_grpc.DecodeServiceStub)
+        telemetry = RouterTelemetry(served.model_id)
+        dispatcher = Dispatcher(decode, decode, make_policy("round_robin"), make_policy("round_robin"),
+                                32, telemetry)
+        servicer = TandemServicer(Frontend(served, dispatcher), telemetry, keys)
+        server = await start_aio_grpc_server(lambda s: add_tandem_service(s, servicer), "127.0.0.1", 0)
+        out = []
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = generate_pb2_grpc.TandemServiceStub(channel)
+            for token in (None, "wrong", KEY, "another-key"):
+                metadata = (("authorization", f"Bearer {token}"),) if token else None
+                try:
+                    await stub.ListModels(generate_pb2.ListModelsRequest(), metadata=metadata, timeout=10)
+                    out.append("OK")
+                except grpc.aio.AioRpcError as exc:
+                    out.append(exc.code().name)
+        await server.stop(0)
+        return out
+
+    assert asyncio.run(codes()) == ["UNAUTHENTICATED", "UNAUTHENTICATED", "OK", "OK"]
