@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -21,7 +22,7 @@ import httpx
 from tandem.bench import report
 from tandem.bench.arrivals import arrival_offsets
 from tandem.bench.client import ENDPOINTS, EndpointConfig, first_model, resolve_api_key, send
-from tandem.bench.datasets import DATASETS, BenchRequest, DatasetConfig, ShareGPTLike, generate
+from tandem.bench.datasets import DATASETS, BenchRequest, DatasetConfig, Message, ShareGPTLike, generate, words
 from tandem.bench.metrics import RequestRecord, Summary, parse_slos, summarize
 from tandem.services.common.config import add_flag
 
@@ -71,6 +72,14 @@ def run_serve(config: ServeConfig, requests: Optional[list[BenchRequest]] = None
     return ServeResult(config, records, summarize(records, duration, config.slos_ms))
 
 
+def warmup_request(like: BenchRequest, index: int) -> BenchRequest:
+    """A request as long as `like` (answer capped at 16 tokens) with words of its
+    own, so that no measured request finds its prompt in a prefix cache."""
+    rng = random.Random(f"warmup-{index}")
+    return BenchRequest(messages=(Message("user", words(rng, like.prompt_len)),), prompt_len=like.prompt_len,
+                        output_len=min(like.output_len, 16))
+
+
 async def _drive(config: ServeConfig, requests: list[BenchRequest]) -> tuple[list[RequestRecord], float]:
     from tqdm import tqdm
 
@@ -84,8 +93,8 @@ async def _drive(config: ServeConfig, requests: list[BenchRequest]) -> tuple[lis
         # A fresh server pays one-off costs (lazy initialisation, first compilations) on
         # its first requests; they would land in the first measured requests' TTFT.
         for i in range(load.warmups):
-            short = replace(requests[i % len(requests)], output_len=min(requests[i % len(requests)].output_len, 16))
-            warm = await send(client, config.endpoint, short, -1, time.perf_counter())
+            warm = await send(client, config.endpoint, warmup_request(requests[i % len(requests)], i), -1,
+                              time.perf_counter())
             if not warm.success:
                 print(f"warning: warm-up request failed: {warm.error}", file=sys.stderr)
         start = time.perf_counter()

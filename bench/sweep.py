@@ -81,6 +81,10 @@ def register(subparsers) -> None:
              help="deployments to measure, e.g. --target disagg=http://127.0.0.1:8000/v1 "
                   "coloc=http://127.0.0.1:9000/v1 (or repeat the flag)")
     add_flag(p, "--request-rates", default="1,2,4,8", help="comma-separated request rates (req/s); inf allowed")
+    add_flag(p, "--seed-per-rate", type=bool, default=False,
+             help="the k-th rate (0-based) draws its requests with seed --seed + k: each point sends prompts "
+                  "no earlier point sent, so a server's prefix cache cannot serve them (every deployment "
+                  "still gets the same requests at a given rate)")
     add_flag(p, "--result-dir", default="bench-sweep",
              help="where sweep.json, sweep.png and each point's results go (NAME/rate-R/)")
     add_workload_flags(p)
@@ -100,14 +104,17 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    requests = generate(next(iter(configs.values())).dataset)
+    dataset = next(iter(configs.values())).dataset
+    seed_of = {rate: dataset.seed + (k if args.seed_per_rate else 0) for k, rate in enumerate(rates)}
+    requests = {seed: generate(replace(dataset, seed=seed)) for seed in set(seed_of.values())}
     points: list[SweepPoint] = []
     for target in targets:
         for rate in rates:
             config = configs[target.name]
-            config = replace(config, load=replace(config.load, request_rate=rate))
+            config = replace(config, load=replace(config.load, request_rate=rate),
+                             dataset=replace(config.dataset, seed=seed_of[rate]))
             print(f"--- {target.name} at {rate:g} req/s", file=sys.stderr)
-            result = run_serve(config, requests)
+            result = run_serve(config, requests[seed_of[rate]])
             point_dir = os.path.join(args.result_dir, target.name, f"rate-{rate:g}")
             report.write_serve_result(result, point_dir)
             print(report.summary_table(result.summary, title=f"{target.name} @ {rate:g} req/s"))
