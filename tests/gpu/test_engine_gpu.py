@@ -1,6 +1,7 @@
 """The engine on CUDA (Triton kernels, CUDA graphs) against HF transformers on
 the same GPU: token-exact greedy in fp32 (near ties excepted, as on the CPU),
-and, in bf16, errors against an fp32 oracle of the size of HF bf16's own."""
+and, in bf16, errors against an fp32 oracle of the size of HF bf16's own; the
+>= 99% greedy agreement with HF bf16 that issue 4 asks is its own test (not met yet)."""
 from __future__ import annotations
 
 import copy
@@ -55,6 +56,43 @@ def hf_greedy_cuda(hf, prompt, n):
         v, i = torch.topk(lp, 5)
         top5.append(dict(zip(i.tolist(), v.tolist())))
     return OracleRun(tokens, lps, top5)
+
+
+def test_bf16_greedy_agrees_with_hf_on_99_percent_of_tokens(tmp_path):
+    """The issue's goal, kept as written (measured 95.9% on 2026-11-23, so it
+    fails on the GPU until met; see docs/benchmarks.md). Per-token agreement under teacher forcing: at every position both see the
+    same history (prompt + HF's greedy continuation) and we compare their
+    next-token argmax. HF's choices come from one full forward pass over each
+    history, so neither side mixes incremental and full computation."""
+    from tandem.engine import LLM, SamplingParams
+
+    path, hf = tiny_model_dir(tmp_path, "llama")
+    hf = hf.to(device="cuda", dtype=torch.bfloat16)
+    llm = LLM(path, device="cuda", dtype="bfloat16", num_blocks=4096)
+    histories, expected, second, tie_limit = [], [], [], []
+    for p in prompts(seed=2) + prompts(seed=3):
+        ref = hf_greedy_cuda(hf, p, 32).tokens
+        with torch.no_grad():
+            logits = hf(torch.tensor([p + ref], device="cuda")).logits[0].float()
+        for t in range(len(ref)):
+            row = logits[len(p) - 1 + t]
+            values, ids = torch.topk(row, 2)
+            histories.append(p + ref[:t])
+            expected.append(int(ids[0]))
+            # Logits come out of a bf16 matrix product: two logits one bf16 step
+            # apart (2^-7 relative) are a tie at that precision, the bf16
+            # counterpart of the near-tie rule used for random weights in fp32.
+            second.append(int(ids[1]))
+            step = 2.0 ** (torch.floor(torch.log2(values[0].abs())) - 7)
+            tie_limit.append(float(values[0] - values[1]) <= float(step))
+    outs = llm.generate(histories, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    ours = [o.outputs[0].token_ids[0] for o in outs]
+    exact = sum(a == e for a, e in zip(ours, expected))
+    ties = sum(a != e and a == s and tie for a, e, s, tie in zip(ours, expected, second, tie_limit))
+    n = len(expected)
+    print(f"bf16 greedy agreement (teacher-forced): exact {exact}/{n} = {exact / n:.4f}; "
+          f"with one-bf16-step ties {exact + ties}/{n} = {(exact + ties) / n:.4f}")
+    assert (exact + ties) / n >= 0.99
 
 
 def test_bf16_error_is_of_the_size_of_hf_bf16s_own(tmp_path):
