@@ -318,7 +318,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--decode", type=int, default=1, help="number of decode instances")
     add_flag(p, "--store", default="memory",
              help="KV store backend: memory, or a Redis URL such as redis://127.0.0.1:6379/0")
-    add_flag(p, "--model", default=DEFAULT_MODEL, help="model id, HF folder or .gguf file (default: embedded SmolLM2)")
+    add_flag(p, "--model", default=DEFAULT_MODEL, help="model id, HF folder or .gguf file; the default is the embedded SmolLM2")
     add_flag(p, "--max-model-len", type=int, default=None, help="context length; unset: the model's own")
     add_flag(p, "--tokenizer", default=None,
              help="tokenizer for every engine and the router instead of the model's own: HF folder, "
