@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tandem.services.common.grpc_server import (CHANNEL_OPTIONS, RECONNECT_OPTIONS, TLSConfig, _read,
+from tandem.services.common.grpc_server import (CHANNEL_OPTIONS, RECONNECT_OPTIONS, TLSConfig, bind,
                                                 channel_credentials)
 
 log = logging.getLogger(__name__)
@@ -54,17 +54,7 @@ async def start_aio_grpc_server(add_servicers: Callable[[grpc.aio.Server], list[
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    address = f"{host}:{port}"
-    if tls and tls.enabled:
-        creds = grpc.ssl_server_credentials(
-            [(_read(tls.key_file), _read(tls.cert_file))],
-            root_certificates=_read(tls.ca_file) if tls.ca_file else None,
-            require_client_auth=bool(tls.ca_file))
-        bound = server.add_secure_port(address, creds)
-    else:
-        bound = server.add_insecure_port(address)
-    if bound == 0:
-        raise SystemExit(f"error: cannot listen on {address} (port in use?)")
+    bound = bind(server, host, port, tls)
     await server.start()
     running = RunningAioServer(server=server, port=bound, health=health_servicer, names=names)
     await running.set_serving(True)

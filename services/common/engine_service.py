@@ -147,6 +147,24 @@ def load_from_stats(stats) -> common_pb2.Load:
         num_total_blocks=stats.num_total_blocks)
 
 
+class EngineServicer:
+    """What the prefill and decode servicers share: their engine, metrics and
+    admission, and the Abort and GetLoad calls. Listed first among a
+    servicer's bases, so these methods replace the generated UNIMPLEMENTED ones."""
+
+    def __init__(self, engine, metrics: "EngineMetrics", admission: "Admission") -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.admission = admission
+
+    async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
+        await self.engine.abort(request.request_id)
+        return common_pb2.AbortResponse()
+
+    async def GetLoad(self, request: common_pb2.LoadRequest, context) -> common_pb2.Load:
+        return load_from_stats(self.engine.stats())
+
+
 # --- metrics --------------------------------------------------------------------
 
 @dataclass

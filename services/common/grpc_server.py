@@ -83,6 +83,24 @@ class RunningServer:
         self.server.stop(grace_s).wait()
 
 
+
+def bind(server, host: str, port: int, tls: Optional[TLSConfig]) -> int:
+    """Listen on host:port (sync or aio server), over TLS when `tls` has a
+    certificate and key, requiring client certificates when it has a CA too;
+    returns the bound port."""
+    address = f"{host}:{port}"
+    if tls and tls.enabled:
+        creds = grpc.ssl_server_credentials(
+            [(_read(tls.key_file), _read(tls.cert_file))],
+            root_certificates=_read(tls.ca_file) if tls.ca_file else None,
+            require_client_auth=bool(tls.ca_file))
+        bound = server.add_secure_port(address, creds)
+    else:
+        bound = server.add_insecure_port(address)
+    if bound == 0:
+        raise SystemExit(f"error: cannot listen on {address} (port in use?)")
+    return bound
+
 def start_grpc_server(add_servicers: Callable[[grpc.Server], list[str]], host: str, port: int,
                       max_workers: int = 32, tls: Optional[TLSConfig] = None) -> RunningServer:
     """Start a server; `add_servicers` registers servicers and returns their full names.
@@ -97,17 +115,7 @@ def start_grpc_server(add_servicers: Callable[[grpc.Server], list[str]], host: s
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    address = f"{host}:{port}"
-    if tls and tls.enabled:
-        creds = grpc.ssl_server_credentials(
-            [(_read(tls.key_file), _read(tls.cert_file))],
-            root_certificates=_read(tls.ca_file) if tls.ca_file else None,
-            require_client_auth=bool(tls.ca_file))
-        bound = server.add_secure_port(address, creds)
-    else:
-        bound = server.add_insecure_port(address)
-    if bound == 0:
-        raise SystemExit(f"error: cannot listen on {address} (port in use?)")
+    bound = bind(server, host, port, tls)
     server.start()
     log.info("gRPC %s listening on %s:%d", ",".join(names), host, bound)
     return RunningServer(server=server, port=bound, health=health_servicer)

@@ -13,19 +13,14 @@ import asyncio
 import grpc
 
 from tandem.services.common.engine_service import (
-    Admission, EngineMetrics, add_engine_arguments, load_from_stats, logprob_to_proto, run_engine_service,
+    Admission, EngineMetrics, EngineServicer, add_engine_arguments, logprob_to_proto, run_engine_service,
     run_main, sampling_params_from_proto)
-from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from tandem.v1 import decode_pb2, decode_pb2_grpc
 
 ROLE = "decode"
 
 
-class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
-    def __init__(self, engine, metrics: EngineMetrics, admission: Admission) -> None:
-        self.engine = engine
-        self.metrics = metrics
-        self.admission = admission
-
+class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
     async def Decode(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
         from tandem.engine import SamplingParamsError
 
@@ -64,13 +59,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if last is not None and last.finished:
             self.metrics.finish_request(timer, last.finish_reason, last.num_prompt_tokens)
-
-    async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
-        await self.engine.abort(request.request_id)
-        return common_pb2.AbortResponse()
-
-    async def GetLoad(self, request: common_pb2.LoadRequest, context) -> common_pb2.Load:
-        return load_from_stats(self.engine.stats())
 
 
 def _add_servicers(server: grpc.aio.Server, engine, metrics: EngineMetrics,

@@ -15,19 +15,14 @@ import asyncio
 import grpc
 
 from tandem.services.common.engine_service import (
-    Admission, EngineMetrics, add_engine_arguments, load_from_stats, logprob_to_proto, run_engine_service,
+    Admission, EngineMetrics, EngineServicer, add_engine_arguments, logprob_to_proto, run_engine_service,
     run_main, sampling_params_from_proto)
-from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from tandem.v1 import prefill_pb2, prefill_pb2_grpc
 
 ROLE = "prefill"
 
 
-class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
-    def __init__(self, engine, metrics: EngineMetrics, admission: Admission) -> None:
-        self.engine = engine
-        self.metrics = metrics
-        self.admission = admission
-
+class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         from tandem.engine import SamplingParamsError
 
@@ -77,13 +72,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         reply.num_computed_tokens = (last.num_prompt_tokens - last.num_cached_tokens
                                      - last.num_external_tokens)
         return reply
-
-    async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
-        await self.engine.abort(request.request_id)
-        return common_pb2.AbortResponse()
-
-    async def GetLoad(self, request: common_pb2.LoadRequest, context) -> common_pb2.Load:
-        return load_from_stats(self.engine.stats())
 
 
 def _add_servicers(server: grpc.aio.Server, engine, metrics: EngineMetrics,
