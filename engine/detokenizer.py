@@ -23,6 +23,8 @@ class Detokenizer:
 
     def skip_already_sent(self, token_ids: list[int]) -> None:
         """Tokens whose text the client already has (a prefill service's first token)."""
+        if self.tokenizer is None:  # a token-ids-only model: there is no text to skip
+            return
         self.output_ids.extend(token_ids)
         self.text = self._decode()
         self.emitted = len(self.text.rstrip(REPLACEMENT))
