@@ -53,6 +53,10 @@ class AsyncLLMEngine:
                     continue
                 outputs = self.engine.step()
                 self._stats = self.engine.stats()
+                if self.engine.last_step_empty:
+                    # Nothing could run (requests wait on KV fetches): do not spin.
+                    self._wakeup.wait(0.002)
+                    self._wakeup.clear()
                 for out in outputs:
                     self._deliver(out.request_id, out)
         except BaseException as exc:  # the engine is broken: fail every caller, loudly

@@ -89,6 +89,7 @@ class LLMEngine:
                         self.info.max_model_len)
         self.runner.enable_cuda_graphs(self.max_model_len)
         self.connector = self._make_connector()
+        self.last_step_empty = False
         self.scheduler = Scheduler(config.scheduler, config.cache, self.kv, self.connector)
         self.eos_token_id = self._eos_token_id()
         self._detok: dict[str, Detokenizer] = {}
@@ -152,6 +153,8 @@ class LLMEngine:
         if first:
             detok.skip_already_sent(first)
         self.scheduler.add_request(request)
+        if self.connector is not None:
+            self.connector.prefetch(request)
         self._detok[request_id] = detok
         self._pending_first[request_id] = True
         return request
@@ -172,6 +175,7 @@ class LLMEngine:
     # ---- one step ------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        self.last_step_empty = plan.is_empty  # e.g. every request waits on its KV fetch
         if plan.is_empty:
             return []
         meta = plan.connector_meta

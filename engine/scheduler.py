@@ -184,6 +184,8 @@ class Scheduler:
         """Try to start a waiting request; returns tokens used (0: it did not fit)."""
         if len(self.running) >= self.config.max_num_seqs:
             return 0
+        if self.connector is not None and not self.connector.is_ready(request):
+            return 0  # its KV is still being fetched
         hits, num_hit_tokens = self.kv.get_computed_blocks(request)
         num_external = 0
         if self.connector is not None:
@@ -208,12 +210,19 @@ class Scheduler:
         return num_new
 
     def _schedule_waiting_fifo(self, budget: int, out: SchedulerOutput) -> None:
+        # Requests whose KV is still being fetched step aside (in order) for the
+        # ones behind them; otherwise the head blocks the rest.
+        fetching: list[Request] = []
         while self.waiting and budget > 0:
+            if self.connector is not None and not self.connector.is_ready(self.waiting[0]):
+                fetching.append(self.waiting.popleft())
+                continue
             used = self._admit(self.waiting[0], budget, out)
             if used == 0:
-                break  # FIFO: the head blocks the rest
+                break
             self.waiting.popleft()
             budget -= used
+        self.waiting.extendleft(reversed(fetching))  # back at the head, in their order
 
     def _schedule_srtf(self, budget: int, out: SchedulerOutput) -> None:
         """Two-level scheduling (thesis 4.5.3): FIFO from waiting into a small

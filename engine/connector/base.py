@@ -1,6 +1,9 @@
 """The KV connector: the seam between an engine and KV that lives elsewhere.
 
 Scheduler side (decides, on the engine thread):
+  prefetch(request) -> start fetching the request's stored blocks in the
+      background, so the step that admits it does not wait on the store;
+  is_ready(request) -> False while that fetch runs (the request waits);
   get_num_new_matched_tokens(request, num_local_hit_tokens) -> how many more
       prompt tokens, beyond the local prefix-cache hits, the store can supply
       (whole blocks; at least one token is always left to compute);
@@ -58,6 +61,15 @@ class KVConnector(ABC):
     stats: ConnectorStats
 
     # scheduler side
+    def prefetch(self, request: "Request") -> None:
+        """A request arrived: start fetching what the store holds for it in the
+        background (optional; the default fetches at load time, inside the step)."""
+
+    def is_ready(self, request: "Request") -> bool:
+        """False while the request's prefetch is running: the scheduler then
+        leaves it waiting, and the batch keeps stepping without it."""
+        return True
+
     @abstractmethod
     def get_num_new_matched_tokens(self, request: "Request", num_local_hit_tokens: int) -> int: ...
 

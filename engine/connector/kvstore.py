@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -21,6 +23,27 @@ log = logging.getLogger(__name__)
 
 def block_key(block_hash: bytes, layer: int) -> str:
     return f"{block_hash.hex()}/{layer}"
+
+
+@dataclass
+class Prefetched:
+    """What a background fetch found for one request: the leading run of its
+    blocks the store held, from block index `first_block` on, decoded on the
+    CPU (layers[l]: [n, 2, block_size, kv_heads, head_dim]). `failure` names
+    the step that failed (lookup or load), if one did; it is counted once, on
+    the engine thread, when the scheduler reads the result."""
+
+    first_block: int
+    hashes: list[bytes] = field(default_factory=list)
+    layers: list[torch.Tensor] = field(default_factory=list)
+    num_bytes: int = 0
+    seconds: float = 0.0
+    failure: Optional[str] = None
+    counted: bool = False
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.hashes)
 
 
 class KVStoreConnector(KVConnector):
@@ -39,6 +62,12 @@ class KVStoreConnector(KVConnector):
         self.block_shape = (2, self.block_size, runner.num_kv_heads, runner.head_dim)
         self.stats = ConnectorStats()
         self._pending_loads: dict[str, BlockTransfer] = {}
+        # Background fetches (decode and prefill alike): request id -> future of
+        # Prefetched; and, once admitted, request id -> (result, offset of the
+        # first block to load within it).
+        self._loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-prefetch")
+        self._prefetches: dict[str, Future] = {}
+        self._from_prefetch: dict[str, tuple[Prefetched, int]] = {}
         # One thread: layers are put in order, which the presence rule relies on.
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-save")
         self._saves: list[Future] = []
@@ -53,11 +82,89 @@ class KVStoreConnector(KVConnector):
         return self.role in ("producer", "both")
 
     # ---- scheduler side ------------------------------------------------
+    def prefetch(self, request) -> None:
+        """Look up and fetch the request's stored blocks on a loader thread, so
+        the step that admits it copies from memory instead of waiting on the
+        store while every running request waits too."""
+        if not self.loads:
+            return
+        hashes = list(self.kv.block_hashes(request))
+        _, num_local_hit_tokens = self.kv.get_computed_blocks(request)
+        first = num_local_hit_tokens // self.block_size
+        last = (request.num_tokens - 1) // self.block_size  # leave one token to compute
+        if last > first:
+            self._prefetches[request.request_id] = self._loader.submit(self._fetch, first, hashes[first:last])
+
+    def is_ready(self, request) -> bool:
+        fut = self._prefetches.get(request.request_id)
+        return fut is None or fut.done()
+
+    def _fetch(self, first: int, candidates: list[bytes]) -> Prefetched:
+        started = time.monotonic()
+        out = Prefetched(first_block=first)
+        try:
+            present = self.client.exists([block_key(h, self.num_layers - 1) for h in candidates])
+        except Exception as exc:
+            log.warning("KV store lookup failed, computing locally: %s", exc)
+            out.failure = "lookup"
+            return out
+        n = 0
+        while n < len(present) and present[n]:
+            n += 1
+        if n == 0:
+            return out
+        try:
+            keys = [block_key(h, layer) for layer in range(self.num_layers) for h in candidates[:n]]
+            payloads = self.client.get(keys)
+            if any(p is None for p in payloads):
+                raise KeyError("evicted from the store between lookup and load")
+            for layer in range(self.num_layers):
+                row = payloads[layer * n:(layer + 1) * n]
+                out.layers.append(torch.stack([decode_block(p, self.dtype, self.block_shape, layer)
+                                               for p in row]))
+            out.num_bytes = sum(len(p) for p in payloads)
+        except Exception as exc:  # store down, evicted, or a foreign block format
+            log.warning("KV prefetch failed, computing locally: %s", exc)
+            out.layers = []
+            out.failure = "load"
+            return out
+        out.hashes = candidates[:n]
+        out.seconds = time.monotonic() - started
+        return out
+
+    def _prefetched(self, request, first: int) -> Optional[Prefetched]:
+        """The finished prefetch of `request` when it covers block `first`."""
+        fut = self._prefetches.get(request.request_id)
+        if fut is None or not fut.done():
+            return None
+        result: Prefetched = fut.result()
+        if not result.counted:
+            result.counted = True
+            if result.failure == "lookup":
+                self.stats.lookup_failures += 1
+            elif result.failure == "load":
+                self.stats.load_failures += 1
+        if result.first_block <= first < result.first_block + result.num_blocks:
+            return result
+        return None
+
     def get_num_new_matched_tokens(self, request, num_local_hit_tokens: int) -> int:
         if not self.loads:
             return 0
-        hashes = self.kv.block_hashes(request)
         first = num_local_hit_tokens // self.block_size
+        fut = self._prefetches.get(request.request_id)
+        if fut is not None and fut.done():
+            result = self._prefetched(request, first)
+            if result is not None:
+                last = (request.num_tokens - 1) // self.block_size
+                return (min(result.first_block + result.num_blocks, last) - first) * self.block_size
+            looked = fut.result()
+            if looked.failure is not None or looked.first_block <= first:
+                # The fetch just asked the store about these blocks (or found it
+                # down): compute, do not ask again inside the step.
+                return 0
+        # No prefetch, or local hits shrank below where it started: ask now.
+        hashes = self.kv.block_hashes(request)
         last = (request.num_tokens - 1) // self.block_size  # leave one token to compute
         candidates = hashes[first:last]
         if not candidates:
@@ -74,13 +181,18 @@ class KVStoreConnector(KVConnector):
         return n * self.block_size
 
     def update_state_after_alloc(self, request, block_ids, num_local_hit_tokens, num_external_tokens) -> None:
+        first = num_local_hit_tokens // self.block_size
+        result = self._prefetched(request, first)
+        # Admitted: the prefetch's data is used by this step's load or not at all.
+        self._prefetches.pop(request.request_id, None)
         if num_external_tokens <= 0:
             return
-        first = num_local_hit_tokens // self.block_size
         last = first + num_external_tokens // self.block_size
         hashes = self.kv.block_hashes(request)
         self._pending_loads[request.request_id] = BlockTransfer(
             request.request_id, block_ids[first:last], hashes[first:last])
+        if result is not None:
+            self._from_prefetch[request.request_id] = (result, first - result.first_block)
 
     def build_meta(self, plan) -> ConnectorMeta:
         meta = ConnectorMeta()
@@ -99,12 +211,21 @@ class KVStoreConnector(KVConnector):
         return meta
 
     def request_finished(self, request) -> None:
-        self._pending_loads.pop(request.request_id, None)
+        rid = request.request_id
+        self._pending_loads.pop(rid, None)
+        self._from_prefetch.pop(rid, None)
+        fut = self._prefetches.pop(rid, None)
+        if fut is not None:
+            fut.cancel()  # a fetch already running finishes; its result is dropped
 
     # ---- worker side ---------------------------------------------------
     def start_load(self, meta: ConnectorMeta, kv_caches: list[torch.Tensor]) -> set[str]:
         failed: set[str] = set()
         for t in meta.loads:
+            prefetched = self._from_prefetch.pop(t.request_id, None)
+            if prefetched is not None:
+                self._copy_prefetched(t, *prefetched, kv_caches)
+                continue
             started = time.monotonic()
             keys = [block_key(h, layer) for layer in range(self.num_layers) for h in t.block_hashes]
             try:
@@ -126,6 +247,18 @@ class KVStoreConnector(KVConnector):
             self.stats.load_bytes += num_bytes
             self.stats.load_seconds += time.monotonic() - started
         return failed
+
+    def _copy_prefetched(self, t: BlockTransfer, result: Prefetched, offset: int,
+                         kv_caches: list[torch.Tensor]) -> None:
+        k = len(t.block_ids)
+        assert result.hashes[offset:offset + k] == t.block_hashes, "prefetch does not match the load"
+        ids = torch.tensor(t.block_ids, device=kv_caches[0].device)
+        for layer, cache in enumerate(kv_caches):
+            blocks = result.layers[layer][offset:offset + k].transpose(0, 1)  # [2, k, bs, H, D]
+            cache[:, ids] = blocks.to(cache.device, non_blocking=True)
+        self.stats.load_blocks += k
+        self.stats.load_bytes += result.num_bytes * k // result.num_blocks
+        self.stats.load_seconds += result.seconds * k / result.num_blocks
 
     def save_layer(self, layer: int, kv_caches: list[torch.Tensor], meta: ConnectorMeta) -> None:
         if layer == 0:
@@ -159,5 +292,6 @@ class KVStoreConnector(KVConnector):
             self.stats.save_seconds += time.monotonic() - self._save_started
 
     def close(self) -> None:
+        self._loader.shutdown(wait=True, cancel_futures=True)
         self._saver.shutdown(wait=True)
         self.client.close()
