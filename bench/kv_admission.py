@@ -1,0 +1,130 @@
+"""What admitting a request whose KV is in the store costs the running batch.
+
+A producer engine saves one long prompt into a real KV store process; a
+consumer engine decodes a few requests, then receives the stored prompt. The
+steps from its arrival until its first new token are timed in two modes,
+alternating: with the background prefetch (the default) and with the fetch
+done inside the step that admits the request (the previous behaviour). Every
+running request waits for each of those steps, so the longest one is the
+stall they see.
+
+    python -m tandem.bench.kv_admission --prompt-len 2048 [--model smollm2]
+"""
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Optional
+
+
+def start_store(capacity: str) -> tuple[subprocess.Popen, str]:
+    """A KV store process on a free loopback port, once it answers."""
+    from tandem.services.kvstore.client import KVStoreClient
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.services.kvstore.server", "--host", "127.0.0.1",
+                             "--port", str(port), "--backend", "memory", "--capacity", capacity],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    target = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with KVStoreClient(target, timeout_s=1.0) as client:
+                client.stats()
+            return proc, target
+        except Exception:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("the KV store did not start")
+            time.sleep(0.2)
+
+
+def measure(model: str, store_target: str, prompt: list[int], first: list[int], running: int,
+            prefetch: bool, device: str) -> dict:
+    from tandem.engine import SamplingParams
+    from tandem.engine.config import EngineConfig, ModelConfig
+    from tandem.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=model), device=device, kv_connector="kvstore",
+                                    kv_connector_url=store_target, kv_role="consumer"))
+    if not prefetch:
+        engine.connector.prefetch = lambda request: None  # fetch inside the admitting step
+    params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+    for i in range(running):
+        engine.add_request(f"run-{i}", [100 + i, 200 + i, 300 + i], params)
+    for _ in range(5):
+        engine.step()
+    background = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        engine.step()
+        background.append(time.perf_counter() - t0)
+    engine.add_request("stored", prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       first_token_ids=first)
+    stored = engine.scheduler.requests["stored"]
+    arrived = time.perf_counter()
+    steps = []
+    while stored.num_output_tokens < 2:
+        t0 = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - t0)
+    result = {"prefetch": prefetch, "decode_step_ms": statistics.median(background) * 1e3,
+              "steps_until_admitted": len(steps), "longest_step_ms": max(steps) * 1e3,
+              "arrival_to_second_token_ms": (time.perf_counter() - arrived) * 1e3,
+              "external_tokens": stored.num_external_tokens,
+              "load_blocks": engine.connector.stats.load_blocks}
+    engine.connector.close()
+    return result
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tandem.bench.kv_admission", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2", help="model for both engines (default: the embedded SmolLM2)")
+    p.add_argument("--prompt-len", type=int, default=2048, help="tokens of the stored prompt")
+    p.add_argument("--running", type=int, default=4, help="requests decoding when it arrives")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--repeats", type=int, default=3, help="alternating runs of each mode")
+    args = p.parse_args(argv)
+
+    from tandem.engine import SamplingParams
+    from tandem.engine.config import EngineConfig, ModelConfig
+    from tandem.engine.llm_engine import LLMEngine
+    store, target = start_store("4GiB")
+    try:
+        producer = LLMEngine(EngineConfig(model=ModelConfig(model=args.model), device=args.device,
+                                          kv_connector="kvstore", kv_connector_url=target,
+                                          kv_role="producer"))
+        rows = []
+        for r in range(args.repeats):
+            # A prompt of its own per run, so no run finds another's blocks locally.
+            prompt = [1000 + (r * 7919 + 31 * i) % 20000 for i in range(args.prompt_len)]
+            producer.add_request(f"p{r}", prompt, SamplingParams(temperature=0, max_tokens=1))
+            first: list[int] = []
+            while producer.has_unfinished():
+                for out in producer.step():
+                    first.extend(out.new_token_ids)
+            for prefetch in (True, False):
+                row = measure(args.model, target, prompt, first, args.running, prefetch, args.device)
+                rows.append(row)
+                print(f"prefetch={row['prefetch']!s:5} decode step {row['decode_step_ms']:7.1f} ms | "
+                      f"admission: {row['steps_until_admitted']} steps, longest {row['longest_step_ms']:7.1f} ms, "
+                      f"arrival -> 2nd token {row['arrival_to_second_token_ms']:7.1f} ms | "
+                      f"{row['external_tokens']} tokens loaded", flush=True)
+        for prefetch in (True, False):
+            longest = [r["longest_step_ms"] for r in rows if r["prefetch"] is prefetch]
+            print(f"prefetch={prefetch!s:5} longest step, median of {len(longest)}: "
+                  f"{statistics.median(longest):.1f} ms")
+    finally:
+        store.terminate()
+        store.wait(timeout=30)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
