@@ -100,35 +100,38 @@ class KVStoreConnector(KVConnector):
         return fut is None or fut.done()
 
     def _fetch(self, first: int, candidates: list[bytes]) -> Prefetched:
-        started = time.monotonic()
-        out = Prefetched(first_block=first)
+        """Look up the leading run of `candidates` the store holds, then load it."""
         try:
             present = self.client.exists([block_key(h, self.num_layers - 1) for h in candidates])
         except Exception as exc:
             log.warning("KV store lookup failed, computing locally: %s", exc)
-            out.failure = "lookup"
-            return out
+            return Prefetched(first_block=first, failure="lookup")
         n = 0
         while n < len(present) and present[n]:
             n += 1
         if n == 0:
-            return out
+            return Prefetched(first_block=first)
+        return self._load(first, candidates[:n])
+
+    def _load(self, first: int, hashes: list[bytes]) -> Prefetched:
+        """Every layer of these blocks from the store, decoded on the CPU."""
+        started = time.monotonic()
+        out = Prefetched(first_block=first)
         try:
-            keys = [block_key(h, layer) for layer in range(self.num_layers) for h in candidates[:n]]
+            keys = [block_key(h, layer) for layer in range(self.num_layers) for h in hashes]
             payloads = self.client.get(keys)
             if any(p is None for p in payloads):
                 raise KeyError("evicted from the store between lookup and load")
+            n = len(hashes)
             for layer in range(self.num_layers):
                 row = payloads[layer * n:(layer + 1) * n]
                 out.layers.append(torch.stack([decode_block(p, self.dtype, self.block_shape, layer)
                                                for p in row]))
             out.num_bytes = sum(len(p) for p in payloads)
         except Exception as exc:  # store down, evicted, or a foreign block format
-            log.warning("KV prefetch failed, computing locally: %s", exc)
-            out.layers = []
-            out.failure = "load"
-            return out
-        out.hashes = candidates[:n]
+            log.warning("KV load failed, computing locally: %s", exc)
+            return Prefetched(first_block=first, failure="load")
+        out.hashes = list(hashes)
         out.seconds = time.monotonic() - started
         return out
 
@@ -223,29 +226,13 @@ class KVStoreConnector(KVConnector):
         failed: set[str] = set()
         for t in meta.loads:
             prefetched = self._from_prefetch.pop(t.request_id, None)
-            if prefetched is not None:
-                self._copy_prefetched(t, *prefetched, kv_caches)
-                continue
-            started = time.monotonic()
-            keys = [block_key(h, layer) for layer in range(self.num_layers) for h in t.block_hashes]
-            try:
-                payloads = self.client.get(keys)
-                if any(p is None for p in payloads):
-                    raise KeyError("evicted from the store between lookup and load")
-                num_bytes = 0
-                for i, payload in enumerate(payloads):
-                    layer, j = divmod(i, len(t.block_hashes))
-                    block = decode_block(payload, self.dtype, self.block_shape, layer)
-                    kv_caches[layer][:, t.block_ids[j]].copy_(block)
-                    num_bytes += len(payload)
-            except Exception as exc:  # store down, evicted, or a foreign block format
-                failed.add(t.request_id)
-                self.stats.load_failures += 1
-                log.warning("KV load for %s failed, recomputing its prefix: %s", t.request_id, exc)
-                continue
-            self.stats.load_blocks += len(t.block_ids)
-            self.stats.load_bytes += num_bytes
-            self.stats.load_seconds += time.monotonic() - started
+            if prefetched is None:  # not fetched in the background: fetch now, inside the step
+                prefetched = (self._load(0, t.block_hashes), 0)
+                if prefetched[0].failure is not None:
+                    failed.add(t.request_id)
+                    self.stats.load_failures += 1
+                    continue
+            self._copy_prefetched(t, *prefetched, kv_caches)
         return failed
 
     def _copy_prefetched(self, t: BlockTransfer, result: Prefetched, offset: int,

@@ -104,3 +104,20 @@ def test_a_failed_fetch_means_recompute(model_dir):
     plain = engine(model_dir, None)
     plain.add_request("plain", prompt, GREEDY)
     assert got == run_to_end(plain, "plain")
+
+
+def test_a_load_inside_the_step_still_works(model_dir, store):
+    """The path for a request that was not prefetched (its local prefix hits
+    shrank below where the fetch began): lookup and load inside the step."""
+    prompt = [(13 * i) % 400 + 5 for i in range(3 * BLOCK + 2)]
+    producer = engine(model_dir, store.target, "producer")
+    producer.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=1))
+    first = run_to_end(producer, "p")
+    consumer = engine(model_dir, store.target, "consumer")
+    consumer.connector.prefetch = lambda request: None
+    consumer.add_request("r", prompt, GREEDY, first_token_ids=first)
+    got = first + run_to_end(consumer, "r")
+    assert consumer.connector.stats.load_blocks == 3
+    plain = engine(model_dir, None)
+    plain.add_request("plain", prompt, GREEDY)
+    assert got == run_to_end(plain, "plain")
