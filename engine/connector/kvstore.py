@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from tandem.engine.connector.base import BlockTransfer, ConnectorMeta, ConnectorStats, KVConnector
-from tandem.engine.connector.serialization import decode_block, encode_block
+from tandem.engine.connector.serialization import decode_blocks_into, encode_block
 
 log = logging.getLogger(__name__)
 
@@ -124,9 +124,9 @@ class KVStoreConnector(KVConnector):
                 raise KeyError("evicted from the store between lookup and load")
             n = len(hashes)
             for layer in range(self.num_layers):
-                row = payloads[layer * n:(layer + 1) * n]
-                out.layers.append(torch.stack([decode_block(p, self.dtype, self.block_shape, layer)
-                                               for p in row]))
+                blocks = torch.empty((n, *self.block_shape), dtype=self.dtype)
+                decode_blocks_into(payloads[layer * n:(layer + 1) * n], blocks, layer)
+                out.layers.append(blocks)
             out.num_bytes = sum(len(p) for p in payloads)
         except Exception as exc:  # store down, evicted, or a foreign block format
             log.warning("KV load failed, computing locally: %s", exc)
