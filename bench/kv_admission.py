@@ -78,7 +78,8 @@ def measure(model: str, store_target: str, prompt: list[int], first: list[int], 
               "steps_until_admitted": len(steps), "longest_step_ms": max(steps) * 1e3,
               "arrival_to_second_token_ms": (time.perf_counter() - arrived) * 1e3,
               "external_tokens": stored.num_external_tokens,
-              "load_blocks": engine.connector.stats.load_blocks}
+              "load_blocks": engine.connector.stats.load_blocks,
+              "admission_steps_ms": [round(t * 1e3, 1) for t in steps]}
     engine.connector.close()
     return result
 
@@ -115,7 +116,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(f"prefetch={row['prefetch']!s:5} decode step {row['decode_step_ms']:7.1f} ms | "
                       f"admission: {row['steps_until_admitted']} steps, longest {row['longest_step_ms']:7.1f} ms, "
                       f"arrival -> 2nd token {row['arrival_to_second_token_ms']:7.1f} ms | "
-                      f"{row['external_tokens']} tokens loaded", flush=True)
+                      f"{row['external_tokens']} tokens loaded | steps (ms): "
+                      f"{' '.join(f'{t:.0f}' for t in row['admission_steps_ms'])}", flush=True)
         for prefetch in (True, False):
             longest = [r["longest_step_ms"] for r in rows if r["prefetch"] is prefetch]
             print(f"prefetch={prefetch!s:5} longest step, median of {len(longest)}: "
