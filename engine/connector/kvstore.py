@@ -99,16 +99,22 @@ class KVStoreConnector(KVConnector):
         fut = self._prefetches.get(request.request_id)
         return fut is None or fut.done()
 
-    def _fetch(self, first: int, candidates: list[bytes]) -> Prefetched:
-        """Look up the leading run of `candidates` the store holds, then load it."""
-        try:
-            present = self.client.exists([block_key(h, self.num_layers - 1) for h in candidates])
-        except Exception as exc:
-            log.warning("KV store lookup failed, computing locally: %s", exc)
-            return Prefetched(first_block=first, failure="lookup")
+    def _num_leading_present(self, candidates: list[bytes]) -> int:
+        """How many of `candidates`, from the first on, the store holds (raises
+        when the store cannot be asked)."""
+        present = self.client.exists([block_key(h, self.num_layers - 1) for h in candidates])
         n = 0
         while n < len(present) and present[n]:
             n += 1
+        return n
+
+    def _fetch(self, first: int, candidates: list[bytes]) -> Prefetched:
+        """Look up the leading run of `candidates` the store holds, then load it."""
+        try:
+            n = self._num_leading_present(candidates)
+        except Exception as exc:
+            log.warning("KV store lookup failed, computing locally: %s", exc)
+            return Prefetched(first_block=first, failure="lookup")
         if n == 0:
             return Prefetched(first_block=first)
         return self._load(first, candidates[:n])
@@ -173,15 +179,11 @@ class KVStoreConnector(KVConnector):
         if not candidates:
             return 0
         try:
-            present = self.client.exists([block_key(h, self.num_layers - 1) for h in candidates])
+            return self._num_leading_present(candidates) * self.block_size
         except Exception as exc:  # store down: compute locally instead
             self.stats.lookup_failures += 1
             log.warning("KV store lookup failed, computing locally: %s", exc)
             return 0
-        n = 0
-        while n < len(present) and present[n]:
-            n += 1
-        return n * self.block_size
 
     def update_state_after_alloc(self, request, block_ids, num_local_hit_tokens, num_external_tokens) -> None:
         first = num_local_hit_tokens // self.block_size
