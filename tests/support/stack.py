@@ -152,6 +152,16 @@ class TandemStack:
                     total += sample.value
         return total
 
+    def running_after(self, role: str, timeout_s: float = 20.0) -> float:
+        """Requests running on every instance of `role`, polled until none or timeout_s."""
+        names = [c["name"] for c in self.children if c["role"] == role]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            running = sum(self.metric(n, "tandem:num_requests_running") for n in names)
+            if running == 0 or time.monotonic() > deadline:
+                return running
+            time.sleep(0.5)
+
     # --- faults ------------------------------------------------------------------------
 
     def kill(self, name: str) -> None:
