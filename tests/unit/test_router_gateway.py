@@ -27,7 +27,7 @@ def served() -> ServedModel:
                        aliases={"smollm2"})
 
 
-def make_client(served: ServedModel, api_keys: list[str]) -> TestClient:
+def make_client(served: ServedModel, config: GatewayConfig) -> TestClient:
     # No targets in either tier: nothing is ever healthy, no channel is used.
     prefill = BackendPool("prefill", [], prefill_pb2_grpc.PrefillServiceStub)
     decode = BackendPool("decode", [], decode_pb2_grpc.DecodeServiceStub)
@@ -35,13 +35,13 @@ def make_client(served: ServedModel, api_keys: list[str]) -> TestClient:
     dispatcher = Dispatcher(prefill, decode, make_policy("round_robin"), make_policy("round_robin"),
                             32, telemetry)
     app = create_app(Frontend(served, dispatcher), telemetry, {"prefill": prefill, "decode": decode},
-                     GatewayConfig(api_keys=api_keys, max_body_bytes=64 * 1024))
+                     config)
     return TestClient(app, raise_server_exceptions=False)
 
 
 @pytest.fixture(scope="module")
 def client(served) -> TestClient:
-    return make_client(served, [])
+    return make_client(served, GatewayConfig(max_body_bytes=64 * 1024))
 
 
 def chat(**overrides) -> dict:
@@ -125,7 +125,7 @@ def test_metrics_are_exposed(client):
 
 
 def test_api_key_is_required_except_for_health(served):
-    keyed = make_client(served, [KEY, "another-key"])
+    keyed = make_client(served, GatewayConfig(api_keys=[KEY, "another-key"], max_body_bytes=64 * 1024))
     assert keyed.get("/v1/models").status_code == 401
     assert keyed.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert keyed.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
@@ -134,14 +134,7 @@ def test_api_key_is_required_except_for_health(served):
 
 
 def test_router_at_its_limit_answers_429_with_retry_after(served):
-    prefill = BackendPool("prefill", [], prefill_pb2_grpc.PrefillServiceStub)
-    decode = BackendPool("decode", [], decode_pb2_grpc.DecodeServiceStub)
-    telemetry = RouterTelemetry(served.model_id)
-    dispatcher = Dispatcher(prefill, decode, make_policy("round_robin"), make_policy("round_robin"),
-                            32, telemetry)
-    app = create_app(Frontend(served, dispatcher), telemetry, {"prefill": prefill, "decode": decode},
-                     GatewayConfig(max_in_flight=0))
-    r = TestClient(app, raise_server_exceptions=False).post("/v1/chat/completions", json=chat())
+    r = make_client(served, GatewayConfig(max_in_flight=0)).post("/v1/chat/completions", json=chat())
     assert r.status_code == 429 and r.headers["retry-after"] == "1"
     assert r.json()["error"]["type"] == "rate_limit_error"
 
