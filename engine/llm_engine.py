@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence, Union
 
-from tandem.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tandem.engine.config import EngineConfig
 from tandem.engine.detokenizer import Detokenizer
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.loader import ModelInfo, load_model_info

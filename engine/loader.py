@@ -17,8 +17,6 @@ from typing import Any, Optional
 
 import torch
 
-from tandem.engine.config import ModelConfig
-
 log = logging.getLogger(__name__)
 
 EMBEDDED_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"

@@ -43,7 +43,7 @@ def paged_attention_torch(query: torch.Tensor, kv_cache: torch.Tensor, meta: Att
 
     The new tokens' K/V must already be in the cache (write_kv first).
     """
-    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_heads = query.shape[1]
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
     starts = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
@@ -82,7 +82,6 @@ def paged_attention_torch_batched(query: torch.Tensor, kv_cache: torch.Tensor, m
     if len(decodes) < 2:
         return paged_attention_torch(query, kv_cache, meta, scale)
     out = torch.empty_like(query)
-    num_heads, head_dim = query.shape[1], query.shape[2]
     block_size = kv_cache.shape[2]
     dev = query.device  # the CPU lists become tensors where the cache lives
     lens = torch.tensor([seq_lens[i] for i in decodes], device=dev)

@@ -24,7 +24,6 @@ from tandem.services.router.frontend import Frontend, InvalidRequest, new_reques
 from tandem.services.router.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                                     LogprobFormatter, error_body, now, usage_body)
 from tandem.services.router.telemetry import RequestClock, RouterTelemetry
-from tandem.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
