@@ -8,6 +8,8 @@
 #                                             # tokenizer and gRPC stubs into $ASSETS
 #   bash bench/gpu_disagg.sh smoke            # on the GPU: start disagg, a few requests per mix
 #   bash bench/gpu_disagg.sh disagg coloc    # on the GPU: each deployment in turn, the sweeps of both mixes
+#                                             # (direct: disagg with --kv-transfer direct, CUDA IPC;
+#                                             # tests: the cross-process direct-transfer GPU test)
 #   python -m tandem.bench.disagg_report RESULTS...   # anywhere: tables and plots from the tarballs
 #
 # On the GPU machine the tree runs without installing (like gpu_figures.sh); the wheels the
@@ -19,7 +21,7 @@
 # engine's share of the GPU), LONG_RATES, LONG_N, SHAREGPT_RATES, SHAREGPT_N, LONG_BUDGET and
 # SHAREGPT_BUDGET (seconds each mix's sweep may take; points done by then are kept), PORT.
 set -u -o pipefail
-what=${1:?usage: bash bench/gpu_disagg.sh prepare | STEP... (smoke, smoke-coloc, coloc, disagg)}
+what=${1:?usage: bash bench/gpu_disagg.sh prepare | STEP... (tests, smoke, smoke-coloc, smoke-direct, coloc, disagg, direct)}
 OUT=${OUT:-/tmp/tandem-disagg}
 ASSETS=${ASSETS:-bench-results/disagg-assets}
 PRESET=${PRESET:-llama-3-8b}
@@ -93,7 +95,12 @@ deployment() {  # STEP PORT: start one deployment, run its sweeps, stop it, pack
   case $step in
     coloc|smoke-coloc) name=coloc-2; shape=(--prefill 0 --decode 2) ;;
     disagg|smoke) name=disagg-1p1d; shape=(--prefill 1 --decode 1 --prefill-threshold 0) ;;
-    *) echo "unknown step $step: prepare, smoke, smoke-coloc, coloc or disagg" >&2; return 2 ;;
+    direct|smoke-direct) name=disagg-1p1d-direct
+      shape=(--prefill 1 --decode 1 --prefill-threshold 0 --kv-transfer direct) ;;
+    tests) $PY -m pytest -q -x tests/gpu/test_direct_transfer_gpu.py -p no:cacheprovider 2>&1 | tail -15
+      return ;;
+    *) echo "unknown step $step: prepare, tests, smoke, smoke-coloc, smoke-direct, coloc, disagg or direct" >&2
+      return 2 ;;
   esac
   res=/tmp/disagg-results/$name base=http://127.0.0.1:$port/v1 started=$(date +%s)
   rm -rf "$res" && mkdir -p "$res"

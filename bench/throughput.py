@@ -108,6 +108,7 @@ def run_hf(args, prompts, output_lens, llm) -> ThroughputResult:
     config = llm.engine.info.hf_config
     # Give the engine's KV cache back first: HF needs the memory for its own.
     runner.kv_caches.clear()
+    runner.kv_cache = None  # the layers' caches were views of it
     runner.graphs = None
     import gc
 

@@ -72,9 +72,10 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                rid, prompt, params, first, fut_loop, fut = args
+                rid, prompt, params, first, kv_transfer_params, fut_loop, fut = args
                 try:
-                    self.engine.add_request(rid, prompt, params, first)
+                    self.engine.add_request(rid, prompt, params, first,
+                                            kv_transfer_params=kv_transfer_params)
                     fut_loop.call_soon_threadsafe(_set_result, fut, None)
                 except Exception as exc:  # invalid request: the caller gets the error
                     self._streams.pop(rid, None)
@@ -82,6 +83,8 @@ class AsyncLLMEngine:
             elif kind == "abort":
                 self.engine.abort(args)
                 self._streams.pop(args, None)
+            elif kind == "release_kv":
+                self.engine.release_kv(args)
 
     def _deliver(self, request_id: str, item) -> None:
         target = self._streams.get(request_id)
@@ -94,7 +97,8 @@ class AsyncLLMEngine:
 
     # ---- the caller's side ---------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                       first_token_ids: Optional[Sequence[int]] = None) -> AsyncIterator[RequestOutput]:
+                       first_token_ids: Optional[Sequence[int]] = None,
+                       kv_transfer_params: Optional[dict] = None) -> AsyncIterator[RequestOutput]:
         if self.error is not None or self._stopped.is_set():
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
         loop = asyncio.get_running_loop()
@@ -102,7 +106,7 @@ class AsyncLLMEngine:
         added = loop.create_future()
         self._streams[request_id] = (loop, q)
         self._commands.put(("add", (request_id, list(prompt_token_ids), params,
-                                    list(first_token_ids or []), loop, added)))
+                                    list(first_token_ids or []), kv_transfer_params, loop, added)))
         self._wakeup.set()
         await added  # raises the engine's validation error, if any
         finished = False
@@ -125,6 +129,11 @@ class AsyncLLMEngine:
 
     async def abort(self, request_id: str) -> None:
         self.abort_nowait(request_id)
+
+    def release_kv(self, request_id: str) -> None:
+        """A finished request's KV was taken (direct transfer): let it go, on the engine thread."""
+        self._commands.put(("release_kv", request_id))
+        self._wakeup.set()
 
     def stats(self) -> EngineStats:
         return self._stats

@@ -53,11 +53,14 @@ class EngineConfig:
     device: str = "auto"  # "auto": cuda when available, else cpu
     enforce_eager: bool = False  # True: no CUDA graphs
     # Where KV goes besides the local cache: None for a colocated engine.
-    kv_connector: Optional[str] = None  # "kvstore" (LMCache: see docs/architecture.md)
+    kv_connector: Optional[str] = None  # "kvstore" or "direct" (LMCache: see docs/architecture.md)
     kv_connector_url: Optional[str] = None  # e.g. "127.0.0.1:50081"
     # TLS for the connector's channel to the store (tandem.services.common.grpc_server.TLSConfig).
     kv_connector_tls: Optional[object] = None
     kv_role: KVRole = "both"
+    # Direct transfer: seconds a prefill keeps a finished prompt's blocks for
+    # the decode to copy when nobody releases them earlier.
+    kv_hold_timeout_s: float = 30.0
 
     def resolved_device(self) -> str:
         if self.device != "auto":

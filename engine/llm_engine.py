@@ -41,6 +41,9 @@ class RequestOutput:
     num_external_tokens: int
     block_hashes: list[str] = field(default_factory=list)
     stop_reason: Optional[Union[str, int]] = None
+    # Set on a finished request by the connector: e.g. a DirectHandle to the
+    # prompt's blocks, which the decode engine copies (connector/direct.py).
+    kv_transfer_params: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -116,19 +119,26 @@ class LLMEngine:
             from tandem.engine.connector.kvstore import KVStoreConnector
 
             return KVStoreConnector(self.config, self.kv, self.runner)
+        if kind == "direct":
+            from tandem.engine.connector.direct import DirectConnector
+
+            return DirectConnector(self.config, self.kv, self.runner, self.config.kv_hold_timeout_s)
         if kind == "lmcache":
             # LMCache 0.5.x pins protobuf<7 and needs CUDA ops and cupy; it cannot be
             # installed beside tandem's gRPC stack, so there is no adapter yet.
             raise ValueError("kv_connector 'lmcache' is not available in this build; use 'kvstore' "
                              "(see docs/architecture.md, 'KV connector')")
-        raise ValueError(f"kv_connector must be 'kvstore', got {kind!r}")
+        raise ValueError(f"kv_connector must be 'kvstore' or 'direct', got {kind!r}")
 
     # ---- requests ------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     first_token_ids: Optional[Sequence[int]] = None,
-                    arrival_time: Optional[float] = None) -> Request:
+                    arrival_time: Optional[float] = None,
+                    kv_transfer_params: Optional[dict] = None) -> Request:
         """Queue a request. first_token_ids: tokens already sampled elsewhere
-        (the prefill service's first token); generation continues after them."""
+        (the prefill service's first token); generation continues after them.
+        kv_transfer_params: where the connector finds the prompt's KV (the
+        prefill's RequestOutput.kv_transfer_params)."""
         if params.n != 1:
             raise SamplingParamsError("n: the engine takes n=1 per request; fan out n requests")
         vocab = self.info.hf_config.vocab_size
@@ -149,6 +159,8 @@ class LLMEngine:
                 f"the model's context of {self.max_model_len} tokens")
         request = Request(request_id, list(prompt_token_ids), params, self.eos_token_id,
                           arrival_time, output_token_ids=first)
+        if kv_transfer_params:
+            request.kv_transfer_params.update(kv_transfer_params)
         detok = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
         if first:
             detok.skip_already_sent(first)
@@ -163,6 +175,12 @@ class LLMEngine:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             if self.scheduler.abort(rid) is not None:
                 self._forget(rid)
+
+    def release_kv(self, request_id: str) -> bool:
+        """The consumer of a finished request's KV has it: the connector may
+        let the blocks go (a no-op for connectors that keep nothing)."""
+        release = getattr(self.connector, "release", None)
+        return bool(release(request_id)) if release is not None else False
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -242,6 +260,7 @@ class LLMEngine:
         if finished:
             self.scheduler.finish(req, status)
             self._forget(req.request_id)
+            out.kv_transfer_params = req.kv_transfer_params
         return out
 
     def stats(self) -> EngineStats:

@@ -70,9 +70,18 @@ class ModelRunner:
         self.model.eval()
         self.sampler = Sampler(hf.vocab_size)
         self.num_blocks = self._decide_num_blocks()
-        shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                          for _ in range(self.num_layers)]
+        # One allocation for every layer: it can be exported whole to another
+        # process (the direct KV transfer) and each layer's cache is a view of it.
+        shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.shared_kv = None
+        if config.kv_connector == "direct" and config.kv_role in ("producer", "both"):
+            from tandem.engine.connector.shared_cache import ExportedKVCache
+
+            self.shared_kv = ExportedKVCache(shape, self.dtype, self.device)
+            self.kv_cache = self.shared_kv.tensor
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = list(self.kv_cache.unbind(0))
         log.info("model on %s (%s), %d KV blocks of %d tokens", self.device, self.dtype,
                  self.num_blocks, self.block_size)
         self.graphs = None  # set by enable_cuda_graphs once the engine knows max_model_len

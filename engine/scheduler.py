@@ -99,10 +99,11 @@ class Scheduler:
             self.staging.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        if self.connector is not None:
+            # Before the blocks go back: a connector may keep some (direct transfer holds).
+            self.connector.request_finished(request)
         self.kv.forget(request)
         self.requests.pop(request.request_id, None)
-        if self.connector is not None:
-            self.connector.request_finished(request)
 
     def abort(self, request_id: str) -> Optional[Request]:
         request = self.requests.get(request_id)

@@ -1,8 +1,8 @@
 """`tandem up` (the whole stack on one machine) and `tandem serve ROLE` (one
 role in the foreground, what a container runs).
 
-`tandem up` starts the KV store, N prefill and M decode instances and the
-router as child processes on loopback, each waited for until it prints its
+`tandem up` starts the KV store (unless --kv-transfer direct), N prefill and
+M decode instances and the router as child processes on loopback, each waited for until it prints its
 `ROLE listening on HOST:PORT` line, then supervises them: SIGINT/SIGTERM
 stops all children (terminate, wait, kill after a deadline), and a child that
 dies brings the stack down with the tail of its log (unless --keep-going).
@@ -238,12 +238,18 @@ def cmd_up(args: argparse.Namespace) -> int:
     kvstore, prefills, decodes, router_flags = plan_stack(args, log_dir)
     children: list[Child] = []
     try:
-        progress(f"starting kvstore ({args.store}); logs in {log_dir}")
-        children.append(kvstore)
-        start_child(kvstore)
-        wait_listening([kvstore], args.startup_timeout, progress)
+        if args.kv_transfer == "store":
+            progress(f"starting kvstore ({args.store}); logs in {log_dir}")
+            children.append(kvstore)
+            start_child(kvstore)
+            wait_listening([kvstore], args.startup_timeout, progress)
+        else:
+            progress(f"direct KV transfer between prefill and decode, no KV store; logs in {log_dir}")
         for c in prefills + decodes:
-            c.argv += ["--kvstore", kvstore.address]
+            if args.kv_transfer == "store":
+                c.argv += ["--kvstore", kvstore.address]
+            else:
+                c.argv += ["--kv-direct"]
             children.append(c)
             start_child(c)
         progress(f"starting {len(prefills)} prefill and {len(decodes)} decode instance(s) "
@@ -313,6 +319,10 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--host", default="127.0.0.1", help="address every process binds")
     add_flag(p, "--port", type=int, default=8000, help="HTTP port of the OpenAI-compatible gateway")
     add_flag(p, "--grpc-port", type=int, default=50051, help="port of the public gRPC API; 0 picks a free one")
+    add_flag(p, "--kv-transfer", default="store", choices=["store", "direct"],
+             help="how KV moves from prefill to decode: store (through the KV store service, which "
+                  "is also a prefix cache shared by every engine) or direct (decode copies from the "
+                  "prefill's shared memory / CUDA IPC; no store; one host only)")
     add_flag(p, "--kvstore-port", type=int, default=0, help="KV store port; 0 picks a free one")
     add_flag(p, "--prefill", type=int, default=1, help="number of prefill instances (0: decode prefills)")
     add_flag(p, "--decode", type=int, default=1, help="number of decode instances")

@@ -38,6 +38,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, role: str, default_
                   "(e.g. for a dummy-weight model given as a config.json alone)")
     add_flag(parser, "--kvstore", default=None,
              help="host:port of the KV store service; unset: no connector (KV stays local)")
+    add_flag(parser, "--kv-direct", type=bool, default=False,
+             help="direct KV transfer on one host instead of --kvstore: prefill keeps each prompt's "
+                  "blocks in shared memory (CUDA IPC on a GPU) and decode copies them straight from "
+                  "there; both roles must share the host (and /dev/shm); otherwise decode recomputes")
+    add_flag(parser, "--kv-hold-timeout", type=float, default=30.0,
+             help="with --kv-direct, prefill: seconds a prompt's blocks wait for the decode to copy "
+                  "them when the router does not release them earlier")
     add_flag(parser, "--block-size", type=int, default=16, help="tokens per KV block")
     add_flag(parser, "--num-blocks", type=int, default=None,
              help="KV blocks in the local cache; unset: sized from memory")
@@ -76,6 +83,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, role: str, default_
 def build_engine_config(args: argparse.Namespace, kv_role: str):
     from tandem.engine import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
+    kv_direct = getattr(args, "kv_direct", False)
+    if kv_direct and args.kvstore:
+        raise SystemExit("error: --kv-direct and --kvstore are two ways to move KV: pick one")
+    connector = "direct" if kv_direct else ("kvstore" if args.kvstore else None)
+
     return EngineConfig(
         model=ModelConfig(model=args.model, max_model_len=args.max_model_len,
                           dtype=args.dtype, load_format=args.load_format,
@@ -85,10 +97,11 @@ def build_engine_config(args: argparse.Namespace, kv_role: str):
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, policy=args.policy),
-        kv_connector="kvstore" if args.kvstore else None,
+        kv_connector=connector,
         kv_connector_url=args.kvstore or None,
         kv_connector_tls=tls_from_args(args),
         kv_role=kv_role,
+        kv_hold_timeout_s=getattr(args, "kv_hold_timeout", 30.0),
         device=args.device,
         enforce_eager=args.enforce_eager,
     )

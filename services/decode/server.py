@@ -1,7 +1,8 @@
 """The decode role: a gRPC server around an engine that takes a request with
 the first token prefill sampled, loads the prompt's KV blocks it lacks from
-the KV store (connector role "consumer"; recomputing them when the store
-cannot provide them), and streams the rest of the answer.
+the KV store (--kvstore, connector role "consumer") or copies them from the
+prefill's shared cache (--kv-direct and the request's kv_handle), recomputing
+them when neither can provide them, and streams the rest of the answer.
 
     python -m tandem.services.decode.server --kvstore 127.0.0.1:50081
 """
@@ -15,6 +16,7 @@ import grpc
 from tandem.services.common.engine_service import (
     Admission, EngineMetrics, EngineServicer, add_engine_arguments, logprob_to_proto, run_engine_service,
     run_main, sampling_params_from_proto)
+from tandem.services.common.kv_handle import handle_from_proto
 from tandem.v1 import decode_pb2, decode_pb2_grpc
 
 ROLE = "decode"
@@ -39,13 +41,20 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
         from tandem.engine import SamplingParamsError
 
         first = list(request.first_token_ids) or None
+        kv_transfer_params = None
+        if request.HasField("kv_handle"):
+            try:
+                kv_transfer_params = handle_from_proto(request.kv_handle)
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         timer = self.metrics.start_request()
         last = None
         try:
             # Cancelling this handler (the router's call cancelled) closes the
             # generator, which aborts the request in the engine.
             async for out in self.engine.generate(request.request_id, list(request.prompt_token_ids),
-                                                  params, first_token_ids=first):
+                                                  params, first_token_ids=first,
+                                                  kv_transfer_params=kv_transfer_params):
                 last = out
                 self.metrics.on_tokens(timer, len(out.new_token_ids))
                 yield decode_pb2.DecodeResponse(

@@ -1,5 +1,7 @@
 """The prefill role: a gRPC server around an engine that runs each prompt,
-samples its first token and saves the prompt's full KV blocks to the KV store.
+samples its first token and saves the prompt's full KV blocks to the KV store
+(--kvstore), or keeps them in its shared cache for the decode to copy
+(--kv-direct; the reply's kv_handle says where, ReleaseKV lets them go).
 
 Its connector both saves and loads (kv_role "both"): blocks of a prompt
 prefix that another prefill instance already computed come from the store,
@@ -17,6 +19,7 @@ import grpc
 from tandem.services.common.engine_service import (
     Admission, EngineMetrics, EngineServicer, add_engine_arguments, logprob_to_proto, run_engine_service,
     run_main, sampling_params_from_proto)
+from tandem.services.common.kv_handle import handle_to_proto
 from tandem.v1 import prefill_pb2, prefill_pb2_grpc
 
 ROLE = "prefill"
@@ -71,7 +74,15 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
         reply.num_external_tokens = last.num_external_tokens
         reply.num_computed_tokens = (last.num_prompt_tokens - last.num_cached_tokens
                                      - last.num_external_tokens)
+        handle = handle_to_proto(last.kv_transfer_params)
+        if handle is not None:
+            reply.kv_handle.CopyFrom(handle)
         return reply
+
+    async def ReleaseKV(self, request: prefill_pb2.ReleaseKVRequest, context) -> prefill_pb2.ReleaseKVResponse:
+        # The engine thread frees the blocks; the reply does not wait for it.
+        self.engine.release_kv(request.request_id)
+        return prefill_pb2.ReleaseKVResponse(released=True)
 
 
 def _add_servicers(server: grpc.aio.Server, engine, metrics: EngineMetrics,

@@ -18,6 +18,7 @@ Failure handling, in order of preference:
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional, Sequence
@@ -28,6 +29,8 @@ from tandem.services.router.backends import INSTANCE_FAILURES, BackendPool, Inst
 from tandem.services.router.policies import Policy, RouteRequest
 from tandem.services.router.telemetry import RouterTelemetry
 from tandem.v1 import common_pb2, decode_pb2, prefill_pb2
+
+log = logging.getLogger(__name__)
 
 # gRPC code -> HTTP status, for errors the router passes on to clients.
 _HTTP_STATUS = {
@@ -87,6 +90,7 @@ class Dispatcher:
         self.prefill_timeout_s = prefill_timeout_s
         self.decode_queue_wait_s = decode_queue_wait_s
         self._decode_full_until = 0.0  # monotonic time until which new requests get 429
+        self.releases: set[asyncio.Future] = set()  # ReleaseKV calls in flight
 
     async def generate(self, request_id: str, prompt: Sequence[int],
                        params: common_pb2.SamplingParams) -> AsyncIterator[Delta]:
@@ -96,11 +100,28 @@ class Dispatcher:
             raise DispatchError("every decode instance is at its queue limit; retry shortly",
                                 grpc.StatusCode.RESOURCE_EXHAUSTED)
         route = RouteRequest(prompt_token_ids=prompt)
-        reply = None
+        reply, source = None, None
         if len(prompt) >= self.prefill_threshold and self.prefill.instances:
-            reply = await self._prefill(request_id, prompt, params, route)
+            reply, source = await self._prefill(request_id, prompt, params, route)
         if reply is None:
             self.telemetry.prefill_skipped()
+        held = None
+        if reply is not None and reply.HasField("kv_handle"):
+            # The prefill holds the prompt's blocks for the decode to copy
+            # (direct transfer): release them once decode has streamed (the
+            # copy happens in the step that produces its first message), or
+            # when this request ends without getting that far.
+            held = _HeldKV(self, source, request_id)
+        try:
+            async for delta in self._generate(request_id, prompt, params, route, reply, held):
+                yield delta
+        finally:
+            if held is not None:
+                held.release()
+
+    async def _generate(self, request_id: str, prompt: Sequence[int], params: common_pb2.SamplingParams,
+                        route: RouteRequest, reply: Optional[prefill_pb2.PrefillResponse],
+                        held: Optional["_HeldKV"]) -> AsyncIterator[Delta]:
         first: list[int] = []
         cached: Optional[int] = None
         if reply is not None:
@@ -118,7 +139,10 @@ class Dispatcher:
             if finish:
                 return
         num_output = len(first)
-        async for msg in self._decode(request_id, prompt, first, params, route):
+        kv_handle = reply.kv_handle if held is not None else None
+        async for msg in self._decode(request_id, prompt, first, params, route, kv_handle):
+            if held is not None:
+                held.release()
             num_output += len(msg.token_ids)
             delta = Delta(token_ids=list(msg.token_ids), text=msg.text, logprobs=list(msg.logprobs))
             if msg.finish_reason:
@@ -133,8 +157,9 @@ class Dispatcher:
         return [i for i in pool.healthy() if i.target not in tried]
 
     async def _prefill(self, request_id: str, prompt: Sequence[int], params: common_pb2.SamplingParams,
-                       route: RouteRequest) -> Optional[prefill_pb2.PrefillResponse]:
-        """The prefill reply, or None when no prefill instance could take it."""
+                       route: RouteRequest) -> tuple[Optional[prefill_pb2.PrefillResponse], Optional[Instance]]:
+        """The prefill reply and the instance that gave it, or (None, None) when
+        no prefill instance could take it."""
         tried: set[str] = set()
         request = prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt,
                                              params=params)
@@ -145,7 +170,7 @@ class Dispatcher:
             instance.outstanding_tokens += len(prompt)
             instance.in_flight += 1
             try:
-                return await instance.stub.Prefill(request, timeout=self.prefill_timeout_s)
+                return await instance.stub.Prefill(request, timeout=self.prefill_timeout_s), instance
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     continue  # full, not broken: try the next one
@@ -156,15 +181,15 @@ class Dispatcher:
             finally:
                 instance.outstanding_tokens -= len(prompt)
                 instance.in_flight -= 1
-        return None
+        return None, None
 
     async def _decode(self, request_id: str, prompt: Sequence[int], first: list[int],
-                      params: common_pb2.SamplingParams,
-                      route: RouteRequest) -> AsyncIterator[decode_pb2.DecodeResponse]:
+                      params: common_pb2.SamplingParams, route: RouteRequest,
+                      kv_handle: Optional[common_pb2.KVHandle] = None) -> AsyncIterator[decode_pb2.DecodeResponse]:
         tried: set[str] = set()
         full = 0
         request = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt,
-                                           first_token_ids=first, params=params)
+                                           first_token_ids=first, params=params, kv_handle=kv_handle)
         deadline = time.monotonic() + self.decode_queue_wait_s
         while True:
             candidates = self._candidates(self.decode, tried)
@@ -209,6 +234,38 @@ class Dispatcher:
                 # No-op when the call ended; otherwise (client gone, generator
                 # closed) it cancels the RPC and so aborts the request in decode.
                 call.cancel()
+
+
+class _HeldKV:
+    """A prompt's blocks a prefill instance holds for the decode (direct
+    transfer). release() tells it, once, without waiting for the answer: a
+    release that fails only means the prefill's hold timeout frees them."""
+
+    RELEASE_TIMEOUT_S = 5.0
+
+    def __init__(self, dispatcher: Dispatcher, instance: Instance, request_id: str) -> None:
+        self.dispatcher = dispatcher
+        self.instance = instance
+        self.request_id = request_id
+        self.released = False
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        call = self.instance.stub.ReleaseKV(prefill_pb2.ReleaseKVRequest(request_id=self.request_id),
+                                            timeout=self.RELEASE_TIMEOUT_S)
+        task = asyncio.ensure_future(call)
+        tasks = self.dispatcher.releases
+        tasks.add(task)  # a reference until it ends, so it is not collected mid-flight
+        task.add_done_callback(tasks.discard)
+        task.add_done_callback(_release_done)
+
+
+def _release_done(task: asyncio.Future) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("releasing held KV blocks failed (the prefill's hold timeout frees them): %s",
+                    task.exception())
 
 
 _DONE = object()

@@ -1,0 +1,48 @@
+"""The direct transfer's handle between its engine form (a DirectHandle in
+RequestOutput.kv_transfer_params) and its wire form (common.proto KVHandle)."""
+from __future__ import annotations
+
+from typing import Optional
+
+from tandem.engine.connector.direct import HANDLE_KEY, DirectHandle
+from tandem.engine.connector.shared_cache import CudaIpcHandle, KVExport
+from tandem.v1 import common_pb2
+
+
+def handle_to_proto(kv_transfer_params: dict) -> Optional[common_pb2.KVHandle]:
+    handle: Optional[DirectHandle] = kv_transfer_params.get(HANDLE_KEY)
+    if handle is None:
+        return None
+    e = handle.export
+    msg = common_pb2.KVHandle(shape=list(e.shape), dtype=e.dtype, generations_shm=e.generations_shm,
+                              data_shm=e.data_shm, model=handle.model, block_ids=handle.block_ids,
+                              generations=handle.generations)
+    if e.cuda is not None:
+        c = e.cuda
+        msg.cuda.CopyFrom(common_pb2.CudaIpcHandle(
+            device_uuid=c.device_uuid, device=c.device, handle=c.handle, size_bytes=c.size_bytes,
+            offset_bytes=c.offset_bytes, ref_counter_handle=c.ref_counter_handle,
+            ref_counter_offset=c.ref_counter_offset, event_handle=c.event_handle,
+            event_sync_required=c.event_sync_required))
+    return msg
+
+
+def handle_from_proto(msg: common_pb2.KVHandle) -> dict:
+    """kv_transfer_params for the engine; raises ValueError on a malformed handle."""
+    if len(msg.shape) != 6 or len(msg.block_ids) != len(msg.generations):
+        raise ValueError("kv_handle: shape must have 6 dimensions and every block a generation")
+    if msg.dtype not in ("bfloat16", "float16", "float32"):
+        raise ValueError(f"kv_handle: unknown dtype {msg.dtype!r}")
+    if any(b < 0 or b >= msg.shape[2] for b in msg.block_ids):
+        raise ValueError("kv_handle: block ids outside the cache")
+    cuda = None
+    if msg.HasField("cuda"):
+        c = msg.cuda
+        cuda = CudaIpcHandle(c.device_uuid, c.device, c.handle, c.size_bytes, c.offset_bytes,
+                             c.ref_counter_handle, c.ref_counter_offset, c.event_handle,
+                             c.event_sync_required)
+    elif not msg.data_shm:
+        raise ValueError("kv_handle: names neither a shared-memory segment nor a CUDA handle")
+    export = KVExport(shape=tuple(msg.shape), dtype=msg.dtype, generations_shm=msg.generations_shm,
+                      data_shm=msg.data_shm, cuda=cuda)
+    return {HANDLE_KEY: DirectHandle(export, msg.model, list(msg.block_ids), list(msg.generations))}
