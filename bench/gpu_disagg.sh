@@ -18,7 +18,7 @@
 # results per mix, each engine's /metrics after each mix, the processes' logs) and $OUT/log.
 #
 # Environment knobs (defaults for the H100 run): PRESET llama-3-8b, DEVICE cuda, MEM 0.45 (each
-# engine's share of the GPU), LONG_RATES, LONG_N, SHAREGPT_RATES, SHAREGPT_N, LONG_BUDGET and
+# engine's share of the GPU), MIXES ("long sharegpt"), LONG_RATES, LONG_N, SHAREGPT_RATES, SHAREGPT_N, LONG_BUDGET and
 # SHAREGPT_BUDGET (seconds each mix's sweep may take; points done by then are kept), PORT.
 set -u -o pipefail
 what=${1:?usage: bash bench/gpu_disagg.sh prepare | STEP... (tests, smoke, smoke-coloc, smoke-direct, coloc, disagg, direct)}
@@ -40,6 +40,7 @@ SHAREGPT_RATES=${SHAREGPT_RATES:-4,8,16,32}
 SHAREGPT_N=${SHAREGPT_N:-60}
 SHAREGPT_BUDGET=${SHAREGPT_BUDGET:-75}
 SLOS=(--goodput ttft:1000 tpot:50)
+MIXES=${MIXES:-long sharegpt}  # which mixes the full steps sweep
 
 if [[ $what == prepare ]]; then
   rm -rf "$ASSETS" && mkdir -p "$ASSETS/stubs"
@@ -123,8 +124,10 @@ deployment() {  # STEP PORT: start one deployment, run its sweeps, stop it, pack
       sweep "$name" "$res" "$base" long 120 0.5 8 "${LONG[@]}"
       sweep "$name" "$res" "$base" sharegpt 60 2 16 "${SHAREGPT[@]}" ;;
     *)
-      sweep "$name" "$res" "$base" long "$LONG_BUDGET" "$LONG_RATES" "$LONG_N" "${LONG[@]}"
-      sweep "$name" "$res" "$base" sharegpt "$SHAREGPT_BUDGET" "$SHAREGPT_RATES" "$SHAREGPT_N" "${SHAREGPT[@]}" ;;
+      [[ " $MIXES " == *" long "* ]] &&
+        sweep "$name" "$res" "$base" long "$LONG_BUDGET" "$LONG_RATES" "$LONG_N" "${LONG[@]}"
+      [[ " $MIXES " == *" sharegpt "* ]] &&
+        sweep "$name" "$res" "$base" sharegpt "$SHAREGPT_BUDGET" "$SHAREGPT_RATES" "$SHAREGPT_N" "${SHAREGPT[@]}" ;;
   esac
   echo "warnings and errors in the logs:"
   grep -h -i -E "warn|error|fail" "$res"/logs/*.log | sed -E 's/^[0-9-]+ [0-9:,]+ //' | sort | uniq -c | sort -rn | head -10
