@@ -9,10 +9,13 @@ after that mix. Prints markdown: per mix, one row per rate with goodput, SLO
 attainment, p90 TTFT and p90 TPOT of every deployment, the highest rate each
 sustained (>= 90% of requests within the SLOs) and their ratio; then the KV
 transfers the engines counted. Writes PREFIX_MIX.png per mix with --plots.
+With --tpot-slos, also the highest rate per TPOT SLO, from the same runs'
+per-request records (how the comparison depends on the SLO).
 """
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import math
 import os
@@ -42,13 +45,49 @@ def load(paths: list[str]) -> dict[str, dict[str, dict]]:
                 if not os.path.exists(sweep_json):
                     continue
                 with open(sweep_json) as f:
-                    entry = {"sweep": json.load(f), "metrics": ""}
+                    entry = {"sweep": json.load(f), "metrics": "", "requests": _requests(folder, mix)}
                 metrics = os.path.join(folder, f"{mix}.metrics.txt")
                 if os.path.exists(metrics):
                     with open(metrics) as f:
                         entry["metrics"] = f.read()
                 out.setdefault(name, {})[mix] = entry
     return out
+
+
+def _requests(folder: str, mix: str) -> dict[float, list[dict]]:
+    """{rate: every request's record} from NAME/MIX/TARGET/rate-R/results.json."""
+    out: dict[float, list[dict]] = {}
+    for path in glob.glob(os.path.join(folder, mix, "*", "rate-*", "results.json")):
+        rate = os.path.basename(os.path.dirname(path)).removeprefix("rate-")
+        with open(path) as f:
+            out[math.inf if rate == "inf" else float(rate)] = json.load(f)["requests"]
+    return out
+
+
+def highest_rate_within(requests: dict[float, list[dict]], ttft_ms: float, tpot_ms: float,
+                        attainment: float = 0.9) -> Optional[float]:
+    """The highest rate at which >= attainment of the requests succeeded within both SLOs."""
+    def met(r: dict) -> bool:
+        tpot = r.get("tpot_s") or 0.0  # one-token answers have no TPOT
+        return r["success"] and r["ttft_s"] * 1e3 <= ttft_ms and tpot * 1e3 <= tpot_ms
+
+    ok = [rate for rate, reqs in requests.items() if reqs and sum(map(met, reqs)) >= attainment * len(reqs)]
+    return max(ok, default=None)
+
+
+def slo_table(results: dict[str, dict[str, dict]], mix: str, ttft_ms: float, tpot_slos: list[float]) -> str:
+    """How the answer depends on the SLO: the highest sustained rate per TPOT SLO,
+    recomputed from the per-request records of the same runs."""
+    names = [n for n in results if results[n].get(mix, {}).get("requests")]
+    lines = ["| TPOT SLO (ms) | " + " | ".join(f"{n}: highest rate (req/s)" for n in names) + " |",
+             "| ---: |" + " ---: |" * len(names)]
+    for tpot in tpot_slos:
+        cells = []
+        for n in names:
+            rate = highest_rate_within(results[n][mix]["requests"], ttft_ms, tpot)
+            cells.append("none" if rate is None else f"{rate:g}")
+        lines.append(f"| {tpot:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _fmt(value: Optional[float], digits: int = 2) -> str:
@@ -139,6 +178,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("results", nargs="+", help="deployment tarballs (NAME.tgz) or folders from gpu_disagg.sh")
     p.add_argument("--plots", default=None, help="folder for PREFIX_MIX.png")
     p.add_argument("--prefix", default="disagg")
+    p.add_argument("--tpot-slos", default="",
+                   help="comma-separated TPOT SLOs in ms: also print, per mix, the highest rate each "
+                        "deployment sustained under each of them (TTFT SLO: --ttft-slo)")
+    p.add_argument("--ttft-slo", type=float, default=1000.0, help="TTFT SLO in ms for --tpot-slos")
     args = p.parse_args(argv)
     results = load(args.results)
     if not results:
@@ -147,6 +190,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     for mix in MIXES:
         if any(mix in m for m in results.values()):
             print(f"### {mix}\n\n{mix_table(results, mix)}\n")
+            if args.tpot_slos:
+                slos = [float(x) for x in args.tpot_slos.split(",") if x.strip()]
+                print(f"TTFT <= {args.ttft_slo:g} ms and:\n\n{slo_table(results, mix, args.ttft_slo, slos)}\n")
             if args.plots:
                 os.makedirs(args.plots, exist_ok=True)
                 print(f"plot: {plot(results, mix, os.path.join(args.plots, f'{args.prefix}_{mix}.png'))}\n")
