@@ -5,16 +5,21 @@
 # Usage: bash bench/gpu_figures.sh [tests|latency|throughput]...
 set -u
 OUT=${OUT:-/tmp/tandem-gpu}
-mkdir -p "$OUT" /tmp/pkg/tandem
-# Map the folders onto the tandem.* import tree without installing (no gRPC stubs needed here).
+STUBS=${STUBS:-bench-results/disagg-assets/stubs}  # made by `bash bench/gpu_disagg.sh prepare`
+mkdir -p "$OUT" /tmp/pkg/tandem/v1
+# Map the folders onto the tandem.* import tree without installing; tandem.v1 gets the protos
+# and, where `prepare` made them, the gRPC stubs (tests/gpu/test_direct_transfer_gpu.py needs them).
 for d in engine kernels bench services; do ln -sfn "$PWD/$d" "/tmp/pkg/tandem/$d"; done
+cp protos/tandem/v1/__init__.py /tmp/pkg/tandem/v1/
+[[ -d $STUBS ]] && cp "$STUBS"/*.py /tmp/pkg/tandem/v1/
 export PYTHONPATH=/tmp/pkg:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 for what in "${@:-tests latency throughput}"; do
   case $what in
     tests)
-      python -m pytest -q -x tests/gpu -p no:cacheprovider 2>&1 | tail -25 ;;
+      python -m tandem.kernels.layer_ops_check --device cuda | tail -5
+      python -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tail -25 ;;
     latency)
       python -m tandem.bench.latency --preset llama-3-8b --batch-sizes 1,8,64,256 --context 512 \
         --steps 20 --output-json "$OUT/latency_llama3_8b.json"

@@ -1,11 +1,14 @@
-"""Dispatch: Triton kernels on CUDA tensors, torch twins everywhere else."""
+"""Dispatch: Triton kernels on CUDA tensors, torch twins everywhere else
+(TANDEM_ATTENTION_BACKEND=torch: the twins on CUDA too)."""
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 
 from tandem.kernels.metadata import AttentionMetadata
+from tandem.kernels.layer_ops_torch import rms_norm_torch, rotary_torch, silu_and_mul_torch
 from tandem.kernels.paged_attention_torch import paged_attention_torch_batched, write_kv_torch
 
 
@@ -35,3 +38,31 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
 
         return paged_attention_triton(query, kv_cache, meta, scale)
     return paged_attention_torch_batched(query, kv_cache, meta, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(RMSNorm(x [+ residual]), the new residual or None); see layer_ops_torch.py."""
+    if _use_triton(x):
+        from tandem.kernels.layer_ops_triton import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, residual)
+    return rms_norm_torch(x, weight, eps, residual)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k after the rotary embedding (in place on CUDA)."""
+    if _use_triton(q):
+        from tandem.kernels.layer_ops_triton import rotary_triton
+
+        return rotary_triton(q, k, cos, sin)
+    return rotary_torch(q, k, cos, sin)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if _use_triton(gate_up):
+        from tandem.kernels.layer_ops_triton import silu_and_mul_triton
+
+        return silu_and_mul_triton(gate_up)
+    return silu_and_mul_torch(gate_up)

@@ -12,7 +12,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from tandem.kernels import AttentionMetadata, paged_attention, write_kv
+from tandem.kernels import AttentionMetadata, paged_attention, rms_norm, rotary, silu_and_mul, write_kv
 
 # HF `architectures` entry / model_type -> (qkv bias, q/k norm)
 SUPPORTED_ARCHITECTURES = {
@@ -45,11 +45,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # float32 statistics whatever the activation dtype, as HF does
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # float32 statistics whatever the activation dtype, as HF does (kernels/layer_ops_torch.py)
+        return rms_norm(x, self.weight, self.eps)[0]
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual = x + residual, then its norm: (normed, residual). One kernel
+        on a GPU, where residual is updated in place."""
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -79,13 +81,6 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return ((emb.cos() * self.attention_scaling).to(dtype),
                 (emb.sin() * self.attention_scaling).to(dtype))
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D]; cos/sin [T, D]. The rotate-half convention of HF checkpoints."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
 
 
 class Attention(nn.Module):
@@ -126,7 +121,7 @@ class Attention(nn.Module):
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rotary(q, k, cos, sin)  # HF's rotate-half convention
         write_kv(k, v, kv_cache, meta.slot_mapping)
         out = paged_attention(q, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
@@ -148,8 +143,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 def _concat_linears(linears: list[nn.Linear]) -> nn.Linear:
@@ -171,9 +165,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden, cos, sin, kv_cache, meta):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden, residual, cos, sin, kv_cache, meta):
+        """(this layer's output, the residual stream before it is added).
+
+        The residual add is folded into the next norm (the same sums, in the
+        same dtype, as `hidden + attn(norm(hidden))`), so the last layer's
+        output is added by the final norm."""
+        if residual is None:
+            residual = hidden
+            h = self.input_layernorm(hidden)
+        else:
+            h, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -215,11 +220,12 @@ class LlamaFamilyForCausalLM(nn.Module):
         """
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb.cos_sin(positions, hidden.dtype)
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            hidden = layer(hidden, cos, sin, kv_caches[i], meta)
+            hidden, residual = layer(hidden, residual, cos, sin, kv_caches[i], meta)
             if after_layer is not None:
                 after_layer(i)
-        return self.model.norm(hidden)
+        return self.model.norm.add_and_norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

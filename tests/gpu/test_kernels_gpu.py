@@ -30,3 +30,10 @@ def test_triton_kernels_match_torch_twins_on_gpu(seed: int, capsys) -> None:
     report = capsys.readouterr().out
     assert status == 0, report
     assert " 0 failed" in report, report
+
+
+def test_layer_op_kernels_match_torch_twins_on_gpu() -> None:
+    from tandem.kernels.layer_ops_check import cases
+
+    failed = [(name, err) for name, (ok, err) in cases("cuda") if not ok]
+    assert not failed, failed

@@ -45,3 +45,15 @@ def test_selfcheck_refuses_cpu_without_interpreter() -> None:
     proc = run_selfcheck("--size", "small", interpret=False)
     assert proc.returncode != 0
     assert "TRITON_INTERPRET=1" in proc.stderr
+
+
+@pytest.mark.timeout(300)
+def test_layer_op_kernels_match_torch_twins_under_interpreter() -> None:
+    # RMSNorm (plain, with the residual add, per head on a strided view), rotary
+    # embedding on views of a fused QKV row, SiLU-and-multiply; fp32/bf16/fp16.
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "tandem.kernels.layer_ops_check", "--device", "cpu"],
+                          env=env, capture_output=True, text=True, timeout=240)
+    report = proc.stdout + proc.stderr
+    assert proc.returncode == 0, report
+    assert "checked 51 cases, 0 failed" in proc.stdout, report
