@@ -9,6 +9,7 @@ is sized for the longest context the engine allows, a bound fixed at capture.
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 from typing import Optional
 
@@ -48,6 +49,19 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
+        # A garbage collection inside a capture can destroy another, unreachable
+        # CUDA graph (an earlier engine's in the same process), and destroying
+        # a graph is not allowed while a stream captures: the capture fails.
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture_each()
+        finally:
+            if was_enabled:
+                gc.enable()
+
+    def _capture_each(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
             args = (self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b))
