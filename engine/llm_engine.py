@@ -68,6 +68,7 @@ class EngineStats:
     kv_save_seconds: float = 0.0
     kv_load_seconds: float = 0.0
     recompute_fallbacks: int = 0
+    num_held_blocks: int = 0  # direct transfer: blocks kept for a decode to copy
 
 
 class LLMEngine:
@@ -284,7 +285,8 @@ class LLMEngine:
             kv_save_seconds=cs.save_seconds if cs else 0.0, kv_load_seconds=cs.load_seconds if cs else 0.0,
             # A failed lookup (store down) and a failed load both mean the prefix
             # is computed here instead of loaded: both are recompute fallbacks.
-            recompute_fallbacks=(cs.load_failures + cs.lookup_failures) if cs else 0)
+            recompute_fallbacks=(cs.load_failures + cs.lookup_failures) if cs else 0,
+            num_held_blocks=getattr(self.connector, "num_held_blocks", 0))
 
     def shutdown(self) -> None:
         if self.connector is not None:

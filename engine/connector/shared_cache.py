@@ -30,6 +30,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
+SEGMENT_PREFIX = "tandem-kv-"  # every segment this module creates is named so
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -78,7 +79,7 @@ class ExportedKVCache:
     """The producer's side: the cache tensor plus its export description."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-        base = f"tandem-kv-{os.getpid()}-{secrets.token_hex(4)}"
+        base = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         num_blocks = shape[2]
         self._segments: list[SharedMemory] = []
         gen_shm = self._create(f"{base}-gen", 8 * num_blocks)

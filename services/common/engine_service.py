@@ -237,6 +237,7 @@ class EngineMetrics:
         self._labelled("KV_CACHE_USAGE_PERC").set(stats.kv_cache_usage)
         self._labelled("KV_CACHE_FREE_BLOCKS").set(stats.num_free_blocks)
         self._labelled("KV_CACHE_TOTAL_BLOCKS").set(stats.num_total_blocks)
+        self._labelled("KV_HELD_BLOCKS").set(stats.num_held_blocks)
         for field, (name, extra) in self.COUNTERS.items():
             self._add(field, getattr(stats, field), name, extra)
         # Transfer time is cumulative seconds in stats; observe each poll's share.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from tandem.engine.connector.direct import HANDLE_KEY, DirectHandle
-from tandem.engine.connector.shared_cache import CudaIpcHandle, KVExport
+from tandem.engine.connector.shared_cache import SEGMENT_PREFIX, CudaIpcHandle, KVExport
 from tandem.v1 import common_pb2
 
 
@@ -31,6 +31,10 @@ def handle_from_proto(msg: common_pb2.KVHandle) -> dict:
     """kv_transfer_params for the engine; raises ValueError on a malformed handle."""
     if len(msg.shape) != 6 or len(msg.block_ids) != len(msg.generations):
         raise ValueError("kv_handle: shape must have 6 dimensions and every block a generation")
+    # Only segments a tandem prefill made: a handle must not open other shared memory.
+    for name in (msg.generations_shm, msg.data_shm):
+        if name and not name.startswith(SEGMENT_PREFIX):
+            raise ValueError(f"kv_handle: {name!r} is not a tandem KV segment")
     if msg.dtype not in ("bfloat16", "float16", "float32"):
         raise ValueError(f"kv_handle: unknown dtype {msg.dtype!r}")
     if any(b < 0 or b >= msg.shape[2] for b in msg.block_ids):

@@ -62,6 +62,10 @@ KV_CACHE_FREE_BLOCKS = Gauge(
     "KV-cache blocks no request holds (cached prefixes count as free: they are reused or evicted "
     "on demand). Back at kv_cache_total_blocks when idle; lower means a request holds blocks.",
     ENGINE)
+KV_HELD_BLOCKS = Gauge(
+    "tandem:kv_held_blocks",
+    "Direct KV transfer, prefill: blocks of finished prompts kept for a decode to copy. Back at 0 "
+    "when idle; holds the router never releases end after --kv-hold-timeout.", ENGINE)
 KV_CACHE_TOTAL_BLOCKS = Gauge(
     "tandem:kv_cache_total_blocks", "KV-cache blocks this engine can hand out.", ENGINE)
 REQUESTS_REJECTED = Counter(

@@ -94,6 +94,7 @@ def test_decode_computes_only_the_tail_and_prefill_gets_its_blocks_back(tandem_s
     # The router released the hold after decode's first message: nothing stays taken.
     free, total = free_blocks_settle(tandem_stack, "prefill-0")
     assert free == total
+    assert tandem_stack.metric("prefill-0", "tandem:kv_held_blocks") == 0
 
 
 def test_decode_refuses_a_malformed_handle(tandem_stack):
@@ -115,5 +116,7 @@ def test_decode_refuses_a_malformed_handle(tandem_stack):
     bad_shape = common_pb2.KVHandle(shape=[1, 2, 3], dtype="float32", data_shm="x")
     out_of_range = common_pb2.KVHandle(shape=[1, 2, 8, 16, 1, 64], dtype="float32", data_shm="x",
                                        block_ids=[9], generations=[1])
-    for handle in (bad_shape, out_of_range):
+    foreign = common_pb2.KVHandle(shape=[1, 2, 8, 16, 1, 64], dtype="float32", data_shm="someone-elses",
+                                  generations_shm="tandem-kv-x-gen", block_ids=[1], generations=[1])
+    for handle in (bad_shape, out_of_range, foreign):
         assert asyncio.run(call(handle)) == grpc.StatusCode.INVALID_ARGUMENT

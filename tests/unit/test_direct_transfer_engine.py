@@ -86,7 +86,7 @@ def test_decode_copies_the_prefills_blocks_and_answers_the_same(model_dir, prefi
     assert stats.prompt_tokens_external == 4 * BLOCK
     assert stats.prompt_tokens_computed == len(PROMPT) - 4 * BLOCK  # only the tail
     # The prefill holds the blocks until released; then every block is free again.
-    assert prefill.connector.num_held_blocks == 4
+    assert prefill.connector.num_held_blocks == prefill.stats().num_held_blocks == 4
     assert prefill.release_kv("r1") and not prefill.release_kv("r1")
     assert prefill.kv.pool.num_free_blocks == free_at_start
     assert decode.kv.pool.num_free_blocks == decode.kv.pool.num_usable_blocks
