@@ -34,6 +34,7 @@ from tandem.engine.request import RequestStatus
 log = logging.getLogger(__name__)
 
 HANDLE_KEY = "direct"  # the handle's key in Request.kv_transfer_params
+SOURCE_IDLE_S = 120.0  # a prefill's mapped cache unused this long is unmapped
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class DirectConnector(KVConnector):
         self.stats = ConnectorStats()
         self._holds: OrderedDict[str, _Hold] = OrderedDict()  # oldest first
         self._opened: dict[str, Optional[OpenedKVCache]] = {}  # export name -> mapping (None: unreachable)
+        self._last_used: dict[str, float] = {}
         self._pending: dict[str, _Copy] = {}  # admitted, not yet planned
         self._planned: dict[str, _Copy] = {}  # in this step's meta
         if self.produces:
@@ -134,6 +136,7 @@ class DirectConnector(KVConnector):
 
     def _source(self, handle: DirectHandle) -> Optional[OpenedKVCache]:
         name = handle.export.generations_shm
+        self._last_used[name] = time.monotonic()
         if name not in self._opened:
             try:
                 self._check_layout(handle)
@@ -176,8 +179,23 @@ class DirectConnector(KVConnector):
         self._pending[request.request_id] = _Copy(
             handle, handle.block_ids[first:last], list(block_ids[first:last]), handle.generations[first:last])
 
+    def _close_idle_sources(self) -> None:
+        # A prefill that restarted exports a new cache under a new name; the old
+        # mapping would keep the dead process's memory (GPU memory, with CUDA
+        # IPC) allocated for as long as this engine lives.
+        now = time.monotonic()
+        for name in [n for n, t in self._last_used.items() if now - t > SOURCE_IDLE_S]:
+            if not self._pending_or_planned_use(name):
+                self._opened.pop(name, None)
+                self._last_used.pop(name, None)
+
+    def _pending_or_planned_use(self, name: str) -> bool:
+        return any(c.handle.export.generations_shm == name
+                   for c in (*self._pending.values(), *self._planned.values()))
+
     def build_meta(self, plan) -> ConnectorMeta:
         self._expire_holds()
+        self._close_idle_sources()
         meta = ConnectorMeta()
         for s in plan.scheduled:
             rid = s.request.request_id
@@ -225,5 +243,6 @@ class DirectConnector(KVConnector):
         for rid in list(self._holds):
             self.release(rid)
         self._opened.clear()
+        self._last_used.clear()
         if self.runner.shared_kv is not None:
             self.runner.shared_kv.close()

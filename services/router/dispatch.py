@@ -253,9 +253,14 @@ class _HeldKV:
         if self.released:
             return
         self.released = True
-        call = self.instance.stub.ReleaseKV(prefill_pb2.ReleaseKVRequest(request_id=self.request_id),
-                                            timeout=self.RELEASE_TIMEOUT_S)
-        task = asyncio.ensure_future(call)
+        try:
+            call = self.instance.stub.ReleaseKV(prefill_pb2.ReleaseKVRequest(request_id=self.request_id),
+                                                timeout=self.RELEASE_TIMEOUT_S)
+            task = asyncio.ensure_future(call)
+        except RuntimeError as exc:  # no running loop (a generator finalised outside it)
+            log.warning("could not release held KV blocks of %s (the hold timeout frees them): %s",
+                        self.request_id, exc)
+            return
         tasks = self.dispatcher.releases
         tasks.add(task)  # a reference until it ends, so it is not collected mid-flight
         task.add_done_callback(tasks.discard)

@@ -150,3 +150,14 @@ def test_aborted_and_preempted_requests_hold_nothing(model_dir):
         assert prefill.kv.pool.num_free_blocks == prefill.kv.pool.num_usable_blocks
     finally:
         prefill.shutdown()
+
+
+def test_an_unused_source_is_unmapped(model_dir, prefill, reference, monkeypatch):
+    from tandem.engine.connector import direct
+
+    decode = engine(model_dir, "direct", "consumer")
+    tokens, params = decode_after(prefill, decode)
+    assert tokens == reference and len(decode.connector._opened) == 1
+    monkeypatch.setattr(direct, "SOURCE_IDLE_S", 0.0)
+    run(decode, "r2", [5, 6, 7], 1)  # any step looks for idle sources
+    assert decode.connector._opened == {}
