@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from tandem.services.common.config import add_flag
-from tandem.services.common.grpc_server import add_tls_arguments
+from tandem.services.common.grpc_server import add_tls_arguments, exit_after_shutdown
 
 ROLES = ("router", "prefill", "decode", "kvstore")
 LISTENING = re.compile(r"^(\w+) listening on (\S+):(\d+)\s*$")
@@ -41,7 +41,10 @@ def _serve_role(args: argparse.Namespace) -> int:
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return int(_role_module(args.role).serve(args) or 0)
+    code = int(_role_module(args.role).serve(args) or 0)
+    # The role has shut down gracefully; a container's process must now end.
+    exit_after_shutdown(code)
+    return code  # not reached
 
 
 # --- tandem up ---------------------------------------------------------------------

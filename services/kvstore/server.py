@@ -23,8 +23,8 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from tandem.services.common.config import add_flag
-from tandem.services.common.grpc_server import (RunningServer, add_tls_arguments, start_grpc_server,
-                                                tls_from_args)
+from tandem.services.common.grpc_server import (RunningServer, add_tls_arguments, exit_after_shutdown,
+                                                start_grpc_server, tls_from_args)
 from tandem.services.kvstore.backends import Backend, BackendStats, BackendUnavailable, open_backend
 from tandem.services.kvstore.client import split_chunks
 from tandem.v1 import kvstore_pb2, kvstore_pb2_grpc
@@ -307,7 +307,9 @@ def main() -> None:
     add_arguments(parser)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    sys.exit(serve(args))
+    code = serve(args)
+    log.info("stopped")
+    exit_after_shutdown(code)
 
 
 if __name__ == "__main__":
