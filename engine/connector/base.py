@@ -59,6 +59,17 @@ class ConnectorStats:
 
 class KVConnector(ABC):
     stats: ConnectorStats
+    role: str = "both"  # "producer" (prefill), "consumer" (decode) or "both"
+
+    @property
+    def produces(self) -> bool:
+        """Hands KV on: saves to a store, or holds blocks for a decode to copy."""
+        return self.role in ("producer", "both")
+
+    @property
+    def consumes(self) -> bool:
+        """Takes KV in from elsewhere instead of computing it."""
+        return self.role in ("consumer", "both")
 
     # scheduler side
     def prefetch(self, request: "Request") -> None:

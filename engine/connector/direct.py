@@ -81,14 +81,6 @@ class DirectConnector(KVConnector):
             kv.pool.generations = runner.shared_kv.generations
 
     @property
-    def produces(self) -> bool:
-        return self.role in ("producer", "both")
-
-    @property
-    def consumes(self) -> bool:
-        return self.role in ("consumer", "both")
-
-    @property
     def num_held_blocks(self) -> int:
         return sum(len(h.blocks) for h in self._holds.values())
 

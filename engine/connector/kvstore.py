@@ -73,20 +73,12 @@ class KVStoreConnector(KVConnector):
         self._saves: list[Future] = []
         self._save_started = 0.0
 
-    @property
-    def loads(self) -> bool:
-        return self.role in ("consumer", "both")
-
-    @property
-    def saves(self) -> bool:
-        return self.role in ("producer", "both")
-
     # ---- scheduler side ------------------------------------------------
     def prefetch(self, request) -> None:
         """Look up and fetch the request's stored blocks on a loader thread, so
         the step that admits it copies from memory instead of waiting on the
         store while every running request waits too."""
-        if not self.loads:
+        if not self.consumes:
             return
         hashes = list(self.kv.block_hashes(request))
         _, num_local_hit_tokens = self.kv.get_computed_blocks(request)
@@ -158,7 +150,7 @@ class KVStoreConnector(KVConnector):
         return None
 
     def get_num_new_matched_tokens(self, request, num_local_hit_tokens: int) -> int:
-        if not self.loads:
+        if not self.consumes:
             return 0
         first = num_local_hit_tokens // self.block_size
         fut = self._prefetches.get(request.request_id)
@@ -206,7 +198,7 @@ class KVStoreConnector(KVConnector):
             load = self._pending_loads.pop(rid, None)
             if load is not None:
                 meta.loads.append(load)
-            if self.saves:
+            if self.produces:
                 # prompt blocks that become complete in this step
                 end = min(s.start + s.num_new_tokens, s.request.num_prompt_tokens)
                 first, last = s.start // self.block_size, end // self.block_size

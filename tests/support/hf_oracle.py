@@ -75,3 +75,19 @@ def tiny_model_dir(tmp_path, arch: str, seed: int = 0, lm_head_scale: float = 1.
     path = os.path.join(str(tmp_path), arch)
     model.save_pretrained(path, safe_serialization=True)
     return path, model
+
+
+def embedded_hf_model():
+    """HF transformers' own SmolLM2-135M-Instruct (fp32) and tokenizer, read from
+    the embedded GGUF file itself: the engine reads the folder that file was
+    converted into (engine/gguf_cache.py), so the conversion is tested too."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from tandem.engine.loader import embedded_gguf_path, gguf_state_dict
+
+    path = embedded_gguf_path()
+    folder, name = os.path.dirname(path), os.path.basename(path)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, gguf_file=name)).float().eval()
+    hf.load_state_dict(gguf_state_dict(path), strict=False)
+    hf.tie_weights()
+    return hf, AutoTokenizer.from_pretrained(folder, gguf_file=name)

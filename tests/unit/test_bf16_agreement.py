@@ -12,12 +12,11 @@ relative) of each other is a tie at that precision and counts as agreement
 dev box: 370-378 of 384 exact, 383 of 384 with ties."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from tandem.engine import LLM, SamplingParams
+from tests.support.hf_oracle import embedded_hf_model
 
 NEW_TOKENS = 32
 TEXT = ("The history of the printing press begins in the fifteenth century, when movable type "
@@ -29,16 +28,8 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "Exp
 
 @pytest.fixture(scope="module")
 def hf_bf16():
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from tandem.engine.loader import embedded_gguf_path, gguf_state_dict
-
-    path = embedded_gguf_path()
-    folder, name = os.path.dirname(path), os.path.basename(path)
-    hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, gguf_file=name)).float().eval()
-    hf.load_state_dict(gguf_state_dict(path), strict=False)
-    hf.tie_weights()
-    return hf.to(torch.bfloat16), AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    hf, tokenizer = embedded_hf_model()
+    return hf.to(torch.bfloat16), tokenizer
 
 
 @pytest.mark.timeout(900)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tandem.engine import LLM, SamplingParams
-from tests.support.hf_oracle import compare_with_tie_rule, hf_greedy, tiny_model_dir
+from tests.support.hf_oracle import compare_with_tie_rule, embedded_hf_model, hf_greedy, tiny_model_dir
 
 MAX_NEW = 12
 LENGTHS = [1, 5, 17, 33, 64, 150, 300, 600]
@@ -43,20 +43,7 @@ def check_against_oracle(outputs, refs, exact: bool) -> None:
 
 @pytest.fixture(scope="module")
 def smol():
-    import os
-
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from tandem.engine.loader import embedded_gguf_path, gguf_state_dict
-
-    # The oracle reads the GGUF file itself; the engine reads the folder it
-    # was converted into (engine/gguf_cache.py), so the conversion is tested too.
-    path = embedded_gguf_path()
-    folder, name = os.path.dirname(path), os.path.basename(path)
-    hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, gguf_file=name)).float().eval()
-    hf.load_state_dict(gguf_state_dict(path), strict=False)
-    hf.tie_weights()
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    hf, tokenizer = embedded_hf_model()
     ids = tokenizer(TEXT * 8)["input_ids"]
     rng = random.Random(0)
     prompts = []
