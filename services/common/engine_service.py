@@ -83,10 +83,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, role: str, default_
 def build_engine_config(args: argparse.Namespace, kv_role: str):
     from tandem.engine import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
-    kv_direct = getattr(args, "kv_direct", False)
-    if kv_direct and args.kvstore:
+    if args.kv_direct and args.kvstore:
         raise SystemExit("error: --kv-direct and --kvstore are two ways to move KV: pick one")
-    connector = "direct" if kv_direct else ("kvstore" if args.kvstore else None)
+    connector = "direct" if args.kv_direct else ("kvstore" if args.kvstore else None)
 
     return EngineConfig(
         model=ModelConfig(model=args.model, max_model_len=args.max_model_len,
@@ -101,7 +100,7 @@ def build_engine_config(args: argparse.Namespace, kv_role: str):
         kv_connector_url=args.kvstore or None,
         kv_connector_tls=tls_from_args(args),
         kv_role=kv_role,
-        kv_hold_timeout_s=getattr(args, "kv_hold_timeout", 30.0),
+        kv_hold_timeout_s=args.kv_hold_timeout,
         device=args.device,
         enforce_eager=args.enforce_eager,
     )
