@@ -55,7 +55,7 @@ class _Hold:
 
 @dataclass
 class _Copy:
-    handle: DirectHandle
+    source: OpenedKVCache  # held here, so unmapping an idle source never breaks a planned copy
     src: list[int]
     dst: list[int]
     expected: list[int] = field(default_factory=list)
@@ -169,7 +169,8 @@ class DirectConnector(KVConnector):
         first = num_local_hit_tokens // self.block_size
         last = first + num_external_tokens // self.block_size
         self._pending[request.request_id] = _Copy(
-            handle, handle.block_ids[first:last], list(block_ids[first:last]), handle.generations[first:last])
+            self._source(handle), handle.block_ids[first:last], list(block_ids[first:last]),
+            handle.generations[first:last])
 
     def _close_idle_sources(self) -> None:
         # A prefill that restarted exports a new cache under a new name; the old
@@ -177,13 +178,8 @@ class DirectConnector(KVConnector):
         # IPC) allocated for as long as this engine lives.
         now = time.monotonic()
         for name in [n for n, t in self._last_used.items() if now - t > SOURCE_IDLE_S]:
-            if not self._pending_or_planned_use(name):
-                self._opened.pop(name, None)
-                self._last_used.pop(name, None)
-
-    def _pending_or_planned_use(self, name: str) -> bool:
-        return any(c.handle.export.generations_shm == name
-                   for c in (*self._pending.values(), *self._planned.values()))
+            self._opened.pop(name, None)
+            self._last_used.pop(name, None)
 
     def build_meta(self, plan) -> ConnectorMeta:
         self._expire_holds()
@@ -204,7 +200,7 @@ class DirectConnector(KVConnector):
         copies = [(t.request_id, self._planned.pop(t.request_id)) for t in meta.loads]
         dst_cache = self.runner.kv_cache
         for _, c in copies:
-            src_cache = self._opened[c.handle.export.generations_shm].tensor
+            src_cache = c.source.tensor
             src = torch.tensor(c.src, device=src_cache.device)
             dst = torch.tensor(c.dst, device=dst_cache.device)
             for layer in range(dst_cache.shape[0]):  # per layer: a temporary of one layer's blocks only
@@ -213,7 +209,7 @@ class DirectConnector(KVConnector):
             torch.cuda.current_stream(dst_cache.device).synchronize()  # the copies are done before the check
         failed: set[str] = set()
         for rid, c in copies:
-            gens = self._opened[c.handle.export.generations_shm].generations
+            gens = c.source.generations
             if [int(gens[i]) for i in c.src] != c.expected:
                 log.warning("KV blocks of %s were reused by the prefill before the copy: recomputing", rid)
                 self.stats.load_failures += 1

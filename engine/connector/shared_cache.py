@@ -87,12 +87,12 @@ class ExportedKVCache:
         cuda = None
         data_name = ""
         if device.type == "cpu":
-            nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+            nbytes = _nbytes(shape, dtype)
             _check_room(nbytes)
             data = self._create(f"{base}-data", nbytes)
             data_name = data.name
             # A fresh segment reads as zeros, like the torch.zeros cache it replaces.
-            self.tensor = torch.frombuffer(data.buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+            self.tensor = _tensor_over(data, shape, dtype)
         elif device.type == "cuda":
             self.tensor = torch.zeros(shape, dtype=dtype, device=device)
             index = self.tensor.device.index
@@ -117,6 +117,15 @@ class ExportedKVCache:
             except FileNotFoundError:
                 pass
         self._segments.clear()
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def _tensor_over(shm: SharedMemory, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of `shape` whose storage is the segment itself (no copy)."""
+    return torch.frombuffer(shm.buf, dtype=torch.uint8, count=_nbytes(shape, dtype)).view(dtype).view(shape)
 
 
 def _check_room(nbytes: int) -> None:
@@ -145,6 +154,7 @@ def _attach(name: str) -> SharedMemory:
 class OpenedKVCache:
     tensor: torch.Tensor  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
     generations: np.ndarray
+    segments: list[SharedMemory]  # the mappings, kept alive as long as the tensors
 
 
 def open_export(export: KVExport) -> OpenedKVCache:
@@ -157,15 +167,12 @@ def open_export(export: KVExport) -> OpenedKVCache:
     if export.cuda is None:
         data = _attach(export.data_shm)
         segments.append(data)
-        nbytes = math.prod(export.shape) * torch.tensor([], dtype=dtype).element_size()
-        if data.size < nbytes:
+        if data.size < _nbytes(export.shape, dtype):
             raise RuntimeError(f"shared KV segment {export.data_shm} is smaller than its shape says")
-        tensor = torch.frombuffer(data.buf, dtype=torch.uint8, count=nbytes).view(dtype).view(export.shape)
+        tensor = _tensor_over(data, export.shape, dtype)
     else:
         tensor = _open_cuda(export.cuda, export.shape, dtype)
-    opened = OpenedKVCache(tensor, generations)
-    opened._segments = segments  # keep the mappings alive as long as the tensors  # type: ignore[attr-defined]
-    return opened
+    return OpenedKVCache(tensor, generations, segments)
 
 
 def _open_cuda(h: CudaIpcHandle, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
