@@ -133,15 +133,6 @@ class Scheduler:
 
     def _schedule_one_running(self, request: Request, budget: int, out: SchedulerOutput) -> int:
         """Schedule a running request, preempting others for blocks; returns tokens used."""
-        start = request.num_computed_tokens
-        if len(request.all_token_ids) == start + 1:
-            # A decode whose slot is already allocated (budget > 0 here): the same
-            # outcome as the general path below, without its bookkeeping.
-            block_ids = self.kv.append_slot(request)
-            if block_ids is not None:
-                request.num_computed_tokens = start + 1
-                out.scheduled.append(ScheduledRequest(request, start, 1, block_ids))
-                return 1
         num_new = self._chunk(request.num_remaining_tokens, budget)
         if num_new <= 0:
             return 0
@@ -154,12 +145,24 @@ class Scheduler:
         return num_new
 
     def _schedule_running(self, requests: list[Request], budget: int, out: SchedulerOutput) -> int:
-        for request in list(requests):
+        requests = list(requests)
+        # Settled up front: a request's entry depends on its own state alone, and
+        # one that is preempted below is skipped.
+        fast = self.kv.append_slots(requests)
+        scheduled = out.scheduled
+        running = RequestStatus.RUNNING
+        for request, ids in zip(requests, fast):
             if budget <= 0:
                 break
-            if request.status is not RequestStatus.RUNNING:
+            if request.status is not running:
                 continue  # preempted earlier in this loop
-            budget -= self._schedule_one_running(request, budget, out)
+            if ids is not None:  # a decode whose slot is allocated: most of a decode step
+                start = request.num_computed_tokens
+                request.num_computed_tokens = start + 1
+                scheduled.append(ScheduledRequest(request, start, 1, ids))
+                budget -= 1
+            else:
+                budget -= self._schedule_one_running(request, budget, out)
         return budget
 
     def _pick_victim(self, out: SchedulerOutput) -> Request:
@@ -245,7 +248,7 @@ class Scheduler:
                 break
             if best_staged is None or (best_running is not None and
                                        best_running.num_remaining_tokens <= self._staged_remaining(best_staged)):
-                budget -= self._schedule_one_running(best_running, budget, out)
+                budget = self._schedule_running([best_running], budget, out)
                 i += 1
             else:
                 used = self._admit(best_staged, budget, out)
