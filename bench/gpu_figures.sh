@@ -12,7 +12,7 @@ mkdir -p "$OUT" /tmp/pkg/tandem/v1
 for d in engine kernels bench services; do ln -sfn "$PWD/$d" "/tmp/pkg/tandem/$d"; done
 cp protos/tandem/v1/__init__.py /tmp/pkg/tandem/v1/
 [[ -d $STUBS ]] && cp "$STUBS"/*.py /tmp/pkg/tandem/v1/
-export PYTHONPATH=/tmp/pkg:$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/pkg:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 for what in "${@:-tests latency throughput}"; do
