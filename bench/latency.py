@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
           f"KV {kv_bytes_per_token / 1024:.0f} KiB/token", file=sys.stderr)
     for batch in batches:
         params = SamplingParams(temperature=0, max_tokens=args.steps + 5, ignore_eos=True)
-        lengths = [args.context + i % runner.block_size - runner.block_size // 2 for i in range(batch)]
+        lengths = [max(1, args.context + i % runner.block_size - runner.block_size // 2) for i in range(batch)]
         for i, length in enumerate(lengths):
             engine.add_request(f"b{batch}-{i}", [1000 + (i * 7 + j) % 20000 for j in range(length)], params)
         while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
