@@ -19,7 +19,7 @@ for what in "${@:-tests latency throughput}"; do
   case $what in
     tests)
       python -m tandem.kernels.layer_ops_check --device cuda | tail -5
-      python -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tail -25 ;;
+      python -m pytest -q -rxXs tests/gpu -p no:cacheprovider 2>&1 | tail -25 ;;
     latency)
       python -m tandem.bench.latency --preset llama-3-8b --batch-sizes 1,8,64,256 --context 512 \
         --steps 20 --output-json "$OUT/latency_llama3_8b.json"
