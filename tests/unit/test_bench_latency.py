@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_latency_bench_writes_consistent_rows(tmp_path):
     out = tmp_path / "latency.json"
@@ -24,4 +26,4 @@ def test_latency_bench_writes_consistent_rows(tmp_path):
     # steps and steps // 2 more.
     one, twenty = result["rows"]
     assert one["context"] == 32 + 2 + steps // 2
-    assert twenty["context"] == sum(40 + i % 16 - 8 for i in range(20)) / 20 + 2 + steps // 2
+    assert twenty["context"] == pytest.approx(sum(40 + i % 16 - 8 for i in range(20)) / 20 + 2 + steps // 2)
