@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NoReturn, Optional
 
 from tandem.services.common.config import add_flag
 from tandem.services.common.grpc_server import add_tls_arguments, exit_after_shutdown
@@ -37,14 +37,13 @@ def _role_module(role: str):
     return importlib.import_module(f"tandem.services.{role}.server")
 
 
-def _serve_role(args: argparse.Namespace) -> int:
+def _serve_role(args: argparse.Namespace) -> NoReturn:
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     code = int(_role_module(args.role).serve(args) or 0)
     # The role has shut down gracefully; a container's process must now end.
     exit_after_shutdown(code)
-    return code  # not reached
 
 
 # --- tandem up ---------------------------------------------------------------------

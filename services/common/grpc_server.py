@@ -3,9 +3,11 @@ optional TLS/mTLS, and a graceful stop."""
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NoReturn, Optional
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -152,16 +154,12 @@ def channel_credentials(tls: Optional[TLSConfig]) -> Optional[grpc.ChannelCreden
         certificate_chain=_read(tls.cert_file) if tls.cert_file else None)
 
 
-def exit_after_shutdown(code: int) -> None:
+def exit_after_shutdown(code: int) -> NoReturn:
     """End a server process whose graceful shutdown is done, without waiting at
     interpreter exit for gRPC's worker threads. Once (CI, 2026-11-23) a KV store
     stopped with SIGSTOP mid-call, then sent SIGTERM, logged that it was
     stopping and did not exit within 10 s; a server told to stop must stop
     within its --shutdown-timeout."""
-    import logging
-    import os
-    import sys
-
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
