@@ -156,7 +156,10 @@ class Scheduler:
                 break
             if request.status is not running:
                 continue  # preempted earlier in this loop
-            if ids is not None:  # a decode whose slot is allocated: most of a decode step
+            if ids is None:
+                # At large batch the general path is mostly a decode into a new block.
+                ids = self.kv.append_block(request)
+            if ids is not None:  # a decode: most of a decode step
                 start = request.num_computed_tokens
                 request.num_computed_tokens = start + 1
                 scheduled.append(ScheduledRequest(request, start, 1, ids))
