@@ -29,7 +29,7 @@ def plan_of(out):
 
 @pytest.mark.parametrize("policy", ["fifo", "srtf"])
 @pytest.mark.parametrize("enable_caching", [True, False])
-# A budget of 7 tokens runs out in the middle of a run of decodes most steps.
+# A budget of 7 tokens: prompts are chunked and running decodes wait their turn.
 @pytest.mark.parametrize("budget", [64, 7])
 def test_fast_path_plans_what_the_general_path_plans(policy, enable_caching, budget):
     rng = random.Random(1)
@@ -69,7 +69,7 @@ def test_fast_path_plans_what_the_general_path_plans(policy, enable_caching, bud
         assert twins[0].stats.prefix_cache_hits > 0
 
 
-def test_a_run_of_decodes_longer_than_the_budget_is_cut_where_the_general_path_stops():
+def test_decodes_past_the_budget_wait_as_they_do_on_the_general_path():
     # In steady FIFO the running requests fit the budget (they were admitted
     # under it), so the budget is lowered once all ten run.
     config = SchedulerConfig(max_num_batched_tokens=40, max_num_seqs=10)
