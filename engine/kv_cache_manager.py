@@ -110,15 +110,14 @@ class KVCacheManager:
             if added:
                 blocks.extend(added)
                 ids.extend([b.block_id for b in added])
-        if num_new_tokens == 1 and not new_computed_blocks and not num_external_tokens:
-            # A decode names only blocks already computed: the one it fills is
-            # named at its next step, whose token needs a new block (or when the
-            # request is freed), so the step that fills a block stays on the fast
-            # path. Only later requests (a next turn) share such a block, and
-            # they find it either way.
-            self._cache_full_blocks(request, blocks, request.num_computed_tokens)
-        else:
-            self._cache_full_blocks(request, blocks, min(total, request.num_tokens))
+        # A decode names only blocks already computed: the one it fills is named
+        # at its next step, whose token needs a new block (or when the request
+        # is freed), so the step that fills a block stays on the fast path. Only
+        # later requests (a next turn) share such a block, and they find it
+        # either way. A prompt chunk names what it fills (_cache_full_blocks).
+        decode = num_new_tokens == 1 and not new_computed_blocks and not num_external_tokens
+        named = request.num_computed_tokens if decode else min(total, request.num_tokens)
+        self._cache_full_blocks(request, blocks, named)
         return new_blocks
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
