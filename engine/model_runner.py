@@ -41,7 +41,8 @@ class BatchInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # rows of the flattened batch whose logits are sampled
+    # rows of the flattened batch whose logits are sampled; None: every row, in order
+    logits_indices: Optional[torch.Tensor]
     sampling: list[ScheduledRequest]
 
 
@@ -87,6 +88,9 @@ class ModelRunner:
         self.graphs = None  # set by enable_cuda_graphs once the engine knows max_model_len
         self.block_tables = BlockTables(config.scheduler.max_num_seqs)
         self._arange = np.arange(config.scheduler.max_num_seqs + 1, dtype=np.int64)
+        # A decode-only batch's query starts are 0..n: sliced from this instead
+        # of copied to the device every step.
+        self._dev_arange32 = torch.arange(config.scheduler.max_num_seqs + 1, dtype=torch.int32, device=self.device)
 
     def enable_cuda_graphs(self, max_model_len: int) -> None:
         if self.device.type != "cuda" or self.config.enforce_eager:
@@ -140,9 +144,11 @@ class ModelRunner:
         The result is valid until the next prepare()."""
         scheduled = plan.scheduled
         n = len(scheduled)
-        bs = self.block_size
         if n >= len(self._arange):
             self._arange = np.arange(2 * n + 1, dtype=np.int64)
+        if n and plan.num_plain_decodes == n and n < len(self._dev_arange32):
+            return self._prepare_decodes(scheduled)
+        bs = self.block_size
         tables = self.block_tables.update([s.block_ids for s in scheduled])
         starts = np.array([s.start for s in scheduled], dtype=np.int64)
         q_lens = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
@@ -185,6 +191,30 @@ class ModelRunner:
             positions=to_dev(positions),
             meta=meta, logits_indices=to_dev(logits_indices), sampling=sampling)
 
+    def _prepare_decodes(self, scheduled: list[ScheduledRequest]) -> BatchInputs:
+        """prepare() for a batch of plain decodes (SchedulerOutput.num_plain_decodes):
+        one row per request, each at its last known token, all sampled; what
+        prepare() would build, from two passes over the plan."""
+        n = len(scheduled)
+        bs = self.block_size
+        tables = self.block_tables.update([s.block_ids for s in scheduled])
+        positions = np.array([s.start for s in scheduled], dtype=np.int64)
+        ids = np.array([s.request.all_token_ids[-1] for s in scheduled], dtype=np.int64)
+        slots = tables[self._arange[:n], positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = (positions + 1).astype(np.int32)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
+            query_start_loc=self._dev_arange32[: n + 1],
+            seq_lens=torch.from_numpy(seq_lens).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
+            max_query_len=1, max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=self._arange[: n + 1].tolist(), seq_lens_cpu=seq_lens.tolist())
+        return BatchInputs(
+            input_ids=torch.from_numpy(ids).to(dev, non_blocking=True),
+            positions=torch.from_numpy(positions).to(dev, non_blocking=True),
+            meta=meta, logits_indices=None, sampling=list(scheduled))
+
     # ---- execution -----------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput, after_layer: Optional[Callable[[int], None]] = None
@@ -197,6 +227,7 @@ class ModelRunner:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, after_layer)
         if not batch.sampling:
             return [], SampleResult([], [])
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        rows = hidden if batch.logits_indices is None else hidden[batch.logits_indices]
+        logits = self.model.compute_logits(rows)
         requests: list[Request] = [s.request for s in batch.sampling]
         return batch.sampling, self.sampler(logits, requests)

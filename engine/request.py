@@ -129,6 +129,7 @@ class Request:
         self.first_token_time: Optional[float] = None
         # Set by the connector: blocks loaded from outside must not be recomputed.
         self.kv_transfer_params: dict = {}
+        self.decode_entry = None  # the scheduler's plan entry for this request's decode steps, reused
 
     # The unified progress rule: two numbers.
     @property

@@ -39,6 +39,10 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     connector_meta: Optional[object] = None
+    # Entries that are plain decodes: one token, the request's last known one
+    # (so it samples), into a slot it already holds. When every entry is one,
+    # input preparation takes its decode path.
+    num_plain_decodes: int = 0
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -103,6 +107,7 @@ class Scheduler:
             # Before the blocks go back: a connector may keep some (direct transfer holds).
             self.connector.request_finished(request)
         self.kv.forget(request)
+        request.decode_entry = None  # it refers back to the request: no cycle left for the GC
         self.requests.pop(request.request_id, None)
 
     def abort(self, request_id: str) -> Optional[Request]:
@@ -151,6 +156,7 @@ class Scheduler:
         fast = self.kv.append_slots(requests)
         scheduled = out.scheduled
         running = RequestStatus.RUNNING
+        num_decodes = 0
         for request, ids in zip(requests, fast):
             if budget <= 0:
                 break
@@ -162,10 +168,19 @@ class Scheduler:
             if ids is not None:  # a decode: most of a decode step
                 start = request.num_computed_tokens
                 request.num_computed_tokens = start + 1
-                scheduled.append(ScheduledRequest(request, start, 1, ids))
+                entry = request.decode_entry
+                if entry is None:
+                    entry = request.decode_entry = ScheduledRequest(request, start, 1, ids)
+                else:
+                    entry.start = start
+                    entry.num_new_tokens = 1
+                    entry.block_ids = ids
+                scheduled.append(entry)
                 budget -= 1
+                num_decodes += 1
             else:
                 budget -= self._schedule_one_running(request, budget, out)
+        out.num_plain_decodes += num_decodes
         return budget
 
     def _pick_victim(self, out: SchedulerOutput) -> Request:

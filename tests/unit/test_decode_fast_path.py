@@ -4,7 +4,9 @@ path's bookkeeping. It must plan exactly what the general
 path plans: two schedulers, one with the fast path switched off, fed the same
 requests and tokens, make the same plan every step, through block boundaries,
 prefix-cache naming, preemption and finished requests, under both policies."""
+import gc
 import random
+import weakref
 
 import pytest
 
@@ -112,3 +114,28 @@ def test_a_block_filled_by_decodes_is_named_at_its_next_block_or_when_the_reques
     assert len(sched.kv.pool.cached) == 2  # named as its blocks went back
     follow_up = Request("b", request.all_token_ids[:8] + [99], SamplingParams(max_tokens=1))
     assert sched.kv.get_computed_blocks(follow_up)[1] == 8
+
+
+def test_decode_entries_are_reused_and_a_finished_request_needs_no_cycle_collector():
+    # The scheduler reuses one plan entry per request for its decode steps; the
+    # entry refers back to the request, so finish() must break that cycle or
+    # every finished request waits for the cycle collector (memory held, GC pauses).
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4), CacheConfig(),
+                      KVCacheManager(num_blocks=16, block_size=4))
+    request = Request("r", [3, 4, 5], SamplingParams(max_tokens=10, temperature=0))
+    sched.add_request(request)
+    entries = []
+    for _ in range(6):
+        out = sched.schedule()
+        entries.append(out.scheduled[0])
+        request.append_token(7)
+    assert entries[0] is not entries[1] and all(e is entries[1] for e in entries[1:])  # prefill, then decodes
+    assert entries[-1].start == 7 and out.num_plain_decodes == 1
+    alive = weakref.ref(request)
+    gc.disable()
+    try:
+        sched.finish(request, RequestStatus.FINISHED_LENGTH)
+        del request, out, entries
+        assert alive() is None
+    finally:
+        gc.enable()
