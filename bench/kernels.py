@@ -9,7 +9,10 @@ fraction of a large bf16 matmul's, measured in the same run too.
 Timing: decode calls are captured in a CUDA graph (launch gaps would
 otherwise dominate small shapes) over several input sets with disjoint random
 blocks, more bytes in all than the L2 cache holds, and the median replay time
-is divided by the number of calls. Copy, matmul and prefill use
+is divided by the number of calls. Each cell also times a copy of the same
+bytes in the same way: at small sizes one launch's latency, not bandwidth,
+bounds a copy too, and that tells which cells can reach the goal at all.
+The large copy, matmul and prefill use
 triton.testing.do_bench's median.
 
     python -m tandem.bench.kernels --json kernels.json
@@ -45,6 +48,11 @@ class DecodeRow:
     max_rel_error: float
     partition_size: int
     config: str
+    # The same bytes moved by a device-to-device copy (half read, half written)
+    # in the same harness: what one launch can reach at this size. Small shapes
+    # are bound by launch and memory latency, not bandwidth, for a copy too.
+    same_size_copy_gbps: float = 0.0
+    fraction_of_same_size_copy: float = 0.0
 
 
 @dataclass
@@ -240,13 +248,40 @@ class DecodeBench:
         del outs
         torch.cuda.empty_cache()
         gbps = set_bytes / (us * 1e-6) / 1e9
+        copy_gbps = self.same_size_copy_gbps(set_bytes, len(sets))
         partition = decode_partition_size(batch, a.num_kv_heads, context,
                                           _num_sms(torch.device("cuda")), config.decode)
         d = config.decode
         return DecodeRow(batch=batch, context=context, us=us, kv_gbps=gbps,
                          fraction_of_copy=0.0, max_rel_error=err, partition_size=partition,
+                         same_size_copy_gbps=copy_gbps, fraction_of_same_size_copy=gbps / copy_gbps,
                          config=f"block_n={d.block_n} programs_per_sm={d.programs_per_sm} "
                                 f"warps={d.num_warps} stages={d.num_stages}")
+
+    def same_size_copy_gbps(self, num_bytes: int, count: int) -> float:
+        """Bytes per second (read + written) of copies that move num_bytes in all,
+        timed like the attention calls: count buffers in rotation, one graph.
+        The faster of two copies: a same-dtype copy_ (captured as a memcpy node,
+        which at large sizes runs slower than a kernel) and an elementwise
+        kernel that reads and writes the same bytes."""
+        import torch
+
+        half = max(1, num_bytes // 4)  # bf16 elements read; as many written
+        srcs = [torch.randn(half, device="cuda", dtype=self.dtype) for _ in range(count)]
+        dsts = [torch.empty_like(t) for t in srcs]
+
+        def memcpy() -> None:
+            for src, dst in zip(srcs, dsts):
+                dst.copy_(src)
+
+        def kernel() -> None:
+            for src, dst in zip(srcs, dsts):
+                torch.neg(src, out=dst)
+
+        us = min(time_graph_ms(memcpy), time_graph_ms(kernel)) * 1e3 / count
+        del srcs, dsts
+        torch.cuda.empty_cache()
+        return 4 * half / (us * 1e-6) / 1e9
 
 
 PREFILL_SHAPES = ((4096, 0), (2048, 2048), (512, 7680))  # (new tokens, cached prefix)
@@ -363,6 +398,13 @@ def print_report(report: Report) -> None:
         print(f"{batch:>11d} " + "".join(
             f"{cells[ctx].kv_gbps:>8.0f} ({cells[ctx].fraction_of_copy:.2f})" for ctx in contexts))
     if report.decode:
+        print("the same bytes moved by a copy of that size, as a fraction of the large copy; "
+              "then the kernel as a fraction of that copy")
+        for batch in sorted({r.batch for r in report.decode}):
+            cells = {r.context: r for r in report.decode if r.batch == batch}
+            print(f"{batch:>11d} " + "".join(
+                f"   {cells[ctx].same_size_copy_gbps / c.copy_gbps:>5.2f} {cells[ctx].fraction_of_same_size_copy:>5.2f}"
+                for ctx in contexts))
         worst = max(r.max_rel_error for r in report.decode)
         print(f"max relative error vs torch twin: {worst:.1e}")
     for r in report.mixed:
@@ -402,7 +444,8 @@ def run(args: argparse.Namespace) -> int:
             row.fraction_of_copy = row.kv_gbps / ceilings.copy_gbps
             report.decode.append(row)
             print(f"decode batch={batch} context={context}: {row.us:.1f} us, "
-                  f"{row.kv_gbps:.0f} GB/s, {row.fraction_of_copy:.2f} of copy, "
+                  f"{row.kv_gbps:.0f} GB/s, {row.fraction_of_copy:.2f} of copy "
+                  f"(a copy of the same bytes: {row.same_size_copy_gbps / ceilings.copy_gbps:.2f}), "
                   f"err {row.max_rel_error:.1e}", flush=True)
     del bench
     torch.cuda.empty_cache()

@@ -1,0 +1,30 @@
+"""`tandem bench kernels` prints, beside each decode cell's fraction of the
+large copy, what a copy of the same bytes reaches at that size and the kernel
+as a fraction of it. The numbers come from the GPU; the report is checked here
+on rows made by hand, so a column that goes missing or is swapped fails on the CPU."""
+from tandem.bench.kernels import Ceilings, DecodeRow, Report, print_report
+
+
+def row(batch: int, context: int, kv_gbps: float, same_size_copy_gbps: float) -> DecodeRow:
+    return DecodeRow(batch=batch, context=context, us=1.0, kv_gbps=kv_gbps,
+                     fraction_of_copy=kv_gbps / 3000, max_rel_error=1e-3, partition_size=64,
+                     config="test", same_size_copy_gbps=same_size_copy_gbps,
+                     fraction_of_same_size_copy=kv_gbps / same_size_copy_gbps)
+
+
+def test_report_prints_the_same_size_copy_beside_each_decode_cell(capsys):
+    report = Report(device="GPU", torch_version="t", triton_version="tr",
+                    shape={"dtype": "bf16", "num_heads": 32, "num_kv_heads": 8, "head_dim": 128,
+                           "block_size": 16},
+                    ceilings=Ceilings(copy_gbps=3000, matmul_tflops=700),
+                    decode=[row(1, 512, 300, 840), row(1, 8192, 1650, 2400),
+                            row(256, 512, 2850, 2940), row(256, 8192, 3040, 3000)])
+    print_report(report)
+    lines = capsys.readouterr().out.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("batch \\ ctx"))
+    assert lines[first + 1].split() == ["1", "300", "(0.10)", "1650", "(0.55)"]
+    assert lines[first + 2].split() == ["256", "2850", "(0.95)", "3040", "(1.01)"]
+    assert lines[first + 3].startswith("the same bytes moved by a copy")
+    # per cell: the same-size copy over the large copy, then the kernel over that copy
+    assert lines[first + 4].split() == ["1", "0.28", "0.36", "0.80", "0.69"]
+    assert lines[first + 5].split() == ["256", "0.98", "0.97", "1.00", "1.01"]
