@@ -21,6 +21,7 @@ from tandem.engine.request import Request
 from tandem.engine.sampler import SampleResult, Sampler
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tandem.kernels import AttentionMetadata
+from tandem.kernels.ops import triton_backend_selected
 
 log = logging.getLogger(__name__)
 
@@ -88,15 +89,17 @@ class ModelRunner:
         self.graphs = None  # set by enable_cuda_graphs once the engine knows max_model_len
         self.block_tables = BlockTables(config.scheduler.max_num_seqs)
         self._arange = np.arange(config.scheduler.max_num_seqs + 1, dtype=np.int64)
-        # A decode-only batch's query starts are 0..n: sliced from this instead
-        # of copied to the device every step.
+        # A decode-only batch's query starts are 0..n: views of one device
+        # arange, kept per batch size (a slice costs as much as a small copy).
         self._dev_arange32 = torch.arange(config.scheduler.max_num_seqs + 1, dtype=torch.int32, device=self.device)
+        self._decode_query_starts: dict[int, torch.Tensor] = {}
+        # Only the torch twins read the host copies of query starts and lengths;
+        # the Triton kernels take the device tensors.
+        self._host_lists = not (self.device.type == "cuda" and triton_backend_selected())
 
     def enable_cuda_graphs(self, max_model_len: int) -> None:
         if self.device.type != "cuda" or self.config.enforce_eager:
             return
-        from tandem.kernels.ops import triton_backend_selected
-
         if not triton_backend_selected():
             # The torch twins read lengths on the host, which a graph cannot capture.
             log.info("TANDEM_ATTENTION_BACKEND=torch: decode runs eagerly, without CUDA graphs")
@@ -203,13 +206,18 @@ class ModelRunner:
         slots = tables[self._arange[:n], positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = (positions + 1).astype(np.int32)
         dev = self.device
+        query_starts = self._decode_query_starts.get(n)
+        if query_starts is None:
+            query_starts = self._decode_query_starts[n] = self._dev_arange32[: n + 1]
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
-            query_start_loc=self._dev_arange32[: n + 1],
+            query_start_loc=query_starts,
             seq_lens=torch.from_numpy(seq_lens).to(dev, non_blocking=True),
             block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
-            max_query_len=1, max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=self._arange[: n + 1].tolist(), seq_lens_cpu=seq_lens.tolist())
+            max_query_len=1, max_seq_len=int(seq_lens.max()))
+        if self._host_lists:
+            meta.query_start_loc_cpu = self._arange[: n + 1].tolist()
+            meta.seq_lens_cpu = seq_lens.tolist()
         return BatchInputs(
             input_ids=torch.from_numpy(ids).to(dev, non_blocking=True),
             positions=torch.from_numpy(positions).to(dev, non_blocking=True),

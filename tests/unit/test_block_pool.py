@@ -61,3 +61,15 @@ def test_block_hashes_chain_through_parents():
     assert hash_block(None, tokens[:16], b"model-a") != hash_block(None, tokens[:16], b"model-b")
     # partial blocks are not hashed
     assert len(extend_block_hashes([], tokens[:47], 16)) == 2
+
+
+def test_block_hashes_are_stable_bytes():
+    # Blocks saved to a store by an earlier build must still be found: the
+    # hashed bytes (parent, tokens as little-endian int64, extra) never change.
+    first = hash_block(None, list(range(16)), b"m|torch.bfloat16")
+    assert first.hex() == "135c1ef6600e21e667e911e665580c8673b76cf7607cbd9de312c47138b5fdc0"
+    assert hash_block(first, [7] * 16).hex() == \
+        "8d551a692a4bbe06d3dd1ed8c8262363e1aa9c03771e6d7d7061915cae4cbc57"
+    second = hash_block(first, [7] * 16)
+    assert hash_block(second, [2**40, 3], b"x").hex() == \
+        "6068fe2b162b2f519a368df5c5a6f0498ce8e644409ae4811f9ee5f8be161437"
