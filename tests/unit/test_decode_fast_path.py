@@ -97,11 +97,17 @@ def test_decodes_past_the_budget_wait_as_they_do_on_the_general_path():
     assert cut_runs > 5, cut_runs
 
 
-def test_a_block_filled_by_decodes_is_named_at_its_next_block_or_when_the_request_ends():
+def scheduler_with_one_request(request_id: str, prompt: list[int], max_tokens: int) -> tuple[Scheduler, Request]:
+    """A scheduler with blocks of 4 tokens, serving one greedy request."""
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4), CacheConfig(),
                       KVCacheManager(num_blocks=16, block_size=4))
-    request = Request("a", [11, 12, 13], SamplingParams(max_tokens=20, temperature=0))
+    request = Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
     sched.add_request(request)
+    return sched, request
+
+
+def test_a_block_filled_by_decodes_is_named_at_its_next_block_or_when_the_request_ends():
+    sched, request = scheduler_with_one_request("a", [11, 12, 13], max_tokens=20)
     named = []
     for token in range(21, 27):  # computes tokens 0-2 (a prefill), then 3, 4, 5, 6 and 7
         sched.schedule()
@@ -120,10 +126,7 @@ def test_decode_entries_are_reused_and_a_finished_request_needs_no_cycle_collect
     # The scheduler reuses one plan entry per request for its decode steps; the
     # entry refers back to the request, so finish() must break that cycle or
     # every finished request waits for the cycle collector (memory held, GC pauses).
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4), CacheConfig(),
-                      KVCacheManager(num_blocks=16, block_size=4))
-    request = Request("r", [3, 4, 5], SamplingParams(max_tokens=10, temperature=0))
-    sched.add_request(request)
+    sched, request = scheduler_with_one_request("r", [3, 4, 5], max_tokens=10)
     entries = []
     for _ in range(6):
         out = sched.schedule()
