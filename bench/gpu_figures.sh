@@ -2,9 +2,13 @@
 # The GPU figures of docs/benchmarks.md, in one go, from the repository root on a
 # CUDA machine whose Python has torch, triton and transformers (the lent H100
 # image has them; see ../shared/device/README.md). OUT: where JSON results go.
-# Usage: bash bench/gpu_figures.sh [tests|latency|throughput]...
+# Usage: bash bench/gpu_figures.sh [kernels|tests|latency|throughput]...
+# kernels: the decode sweep (fused vs two-launch reduce, tiles, splits per SM) on
+# SWEEP_SHAPES (set it empty to skip the sweep), then the whole decode table with
+# the defaults.
 set -u
 OUT=${OUT:-/tmp/tandem-gpu}
+SWEEP_SHAPES=${SWEEP_SHAPES-1x512,1x1024,1x2048,1x4096,1x8192,8x512,8x1024,8x2048,32x512,32x1024,64x512,256x8192}
 STUBS=${STUBS:-bench-results/disagg-assets/stubs}  # made by `bash bench/gpu_disagg.sh prepare`
 mkdir -p "$OUT" /tmp/pkg/tandem/v1
 # Map the folders onto the tandem.* import tree without installing; tandem.v1 gets the protos
@@ -17,6 +21,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 for what in "${@:-tests latency throughput}"; do
   case $what in
+    kernels)
+      python -m tandem.bench.kernels --skip-prefill ${SWEEP_SHAPES:+--sweep --sweep-shapes "$SWEEP_SHAPES"} \
+        --json "$OUT/kernels.json" ;;
     tests)
       python -m tandem.kernels.layer_ops_check --device cuda | tail -5
       python -m pytest -q -rxXs tests/gpu -p no:cacheprovider 2>&1 | tail -25 ;;

@@ -98,6 +98,20 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
 
 
+def _shape_list(text: str) -> list[tuple[int, int]]:
+    shapes = []
+    for item in text.split(","):
+        batch, sep, context = item.strip().partition("x")
+        if not (sep and batch.isdigit() and context.isdigit()):
+            raise argparse.ArgumentTypeError(
+                f"expected BATCHxCONTEXT pairs such as 1x8192,8x512; got {item!r}")
+        shapes.append((int(batch), int(context)))
+    return shapes
+
+
+SWEEP_SHAPES = ((1, 8192), (8, 2048), (32, 4096), (64, 512), (256, 1024), (256, 8192))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--batches", type=_int_list, default=[1, 8, 32, 64, 128, 256],
              help="decode batch sizes, comma-separated")
@@ -111,8 +125,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--copy-mib", type=int, default=2048,
              help="size of the buffer copied to measure copy bandwidth, MiB")
     add_flag(parser, "--sweep", type=bool,
-             help="also time a grid of decode tile/split settings on a few shapes, to "
-                  "choose DecodeConfig's defaults")
+             help="also time a grid of decode settings (tile, splits per SM, the splits "
+                  "always combined in the one launch or always by a second kernel) on "
+                  "--sweep-shapes, and of "
+                  "prefill tiles unless --skip-prefill, to choose the configs' defaults")
+    add_flag(parser, "--sweep-shapes", type=_shape_list, default=",".join(f"{b}x{c}" for b, c in SWEEP_SHAPES),
+             help="decode shapes the sweep times, as BATCHxCONTEXT, comma-separated")
     add_flag(parser, "--skip-prefill", type=bool,
              help="leave out the prefill and mixed (decodes + prompt chunk) tables")
     add_flag(parser, "--json", default="kernels.json", help="where to write all numbers")
@@ -219,7 +237,8 @@ class DecodeBench:
             sets.append((query, meta))
         return sets, set_bytes
 
-    def run(self, batch: int, context: int, config=None, check: bool = True) -> DecodeRow:
+    def run(self, batch: int, context: int, config=None, check: bool = True,
+            same_size_copy: bool = True) -> DecodeRow:
         from tandem.kernels.attention_triton import (DEFAULT_CONFIG, _num_sms,
                                                      decode_partition_size,
                                                      paged_attention_triton)
@@ -248,7 +267,7 @@ class DecodeBench:
         del outs
         torch.cuda.empty_cache()
         gbps = set_bytes / (us * 1e-6) / 1e9
-        copy_gbps = self.same_size_copy_gbps(set_bytes, len(sets))
+        copy_gbps = self.same_size_copy_gbps(set_bytes, len(sets)) if same_size_copy else gbps
         partition = decode_partition_size(batch, a.num_kv_heads, context,
                                           _num_sms(torch.device("cuda")), config.decode)
         d = config.decode
@@ -256,7 +275,8 @@ class DecodeBench:
                          fraction_of_copy=0.0, max_rel_error=err, partition_size=partition,
                          same_size_copy_gbps=copy_gbps, fraction_of_same_size_copy=gbps / copy_gbps,
                          config=f"block_n={d.block_n} programs_per_sm={d.programs_per_sm} "
-                                f"warps={d.num_warps} stages={d.num_stages}")
+                                f"warps={d.num_warps} stages={d.num_stages} "
+                                f"fused_max_splits={d.fused_max_splits}")
 
     def same_size_copy_gbps(self, num_bytes: int, count: int) -> float:
         """Bytes per second (read + written) of copies that move num_bytes in all,
@@ -348,33 +368,40 @@ def run_mixed(args: argparse.Namespace, ceilings: Ceilings) -> list[MixedRow]:
     return rows
 
 
-SWEEP_SHAPES = ((1, 8192), (8, 2048), (32, 4096), (64, 512), (256, 1024), (256, 8192))
-
-
 def run_sweep(bench: DecodeBench, args: argparse.Namespace, ceilings: Ceilings) -> list[dict]:
     from tandem.kernels.attention_triton import AttentionConfig, DecodeConfig, PrefillConfig
 
     results = []
-    for block_m, block_n, warps, stages in ((64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2),
-                                            (128, 64, 8, 3), (128, 32, 4, 3), (64, 32, 4, 3)):
+    prefill_grid = () if args.skip_prefill else (
+        (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3),
+        (64, 32, 4, 3))
+    for block_m, block_n, warps, stages in prefill_grid:
         cfg = AttentionConfig(prefill=PrefillConfig(block_m, block_n, warps, stages))
         rows = run_prefill(args, ceilings, cfg, check=False)
         results.append({"prefill_config": asdict(cfg.prefill), "shapes": PREFILL_SHAPES,
                         "tflops": [r.tflops for r in rows]})
         print(f"sweep {asdict(cfg.prefill)} TFLOP/s "
               + " ".join(f"{r.tflops:.0f}" for r in rows), flush=True)
-    for block_n in (32, 64, 128):
-        for programs_per_sm in (2, 4, 8):
-            for warps, stages in ((4, 2), (4, 3), (8, 2)):
-                cfg = AttentionConfig(decode=DecodeConfig(block_n, programs_per_sm, warps, stages))
+    # Warps and stages were swept before (4 warps, 3 stages won, docs/kernels.md);
+    # the reduce's place and the split count matter most at small shapes.
+    shapes = [tuple(s) for s in args.sweep_shapes]
+    for fused in (True, False):
+        for block_n in (32, 64):
+            for programs_per_sm in (2, 4, 8):
+                cfg = AttentionConfig(decode=DecodeConfig(
+                    block_n, programs_per_sm, 4, 3, fused_max_splits=(1 << 30) if fused else 0))
                 fracs = []
-                for batch, context in SWEEP_SHAPES:
-                    row = bench.run(batch, context, cfg, check=False)
+                for batch, context in shapes:
+                    row = bench.run(batch, context, cfg, check=True, same_size_copy=False)
+                    if row.max_rel_error > 2e-2:
+                        raise RuntimeError(f"{cfg.decode} at {batch}x{context}: relative error "
+                                           f"{row.max_rel_error:.1e} against the torch twin")
                     fracs.append(row.kv_gbps / ceilings.copy_gbps)
-                results.append({"config": asdict(cfg.decode), "shapes": SWEEP_SHAPES,
+                results.append({"config": asdict(cfg.decode), "shapes": shapes,
                                 "fractions": fracs,
                                 "geomean": math.exp(sum(map(math.log, fracs)) / len(fracs))})
-                print(f"sweep {asdict(cfg.decode)} geomean={results[-1]['geomean']:.3f} "
+                print(f"sweep fused={int(fused)} block_n={block_n} programs_per_sm="
+                      f"{programs_per_sm} geomean={results[-1]['geomean']:.3f} "
                       + " ".join(f"{f:.2f}" for f in fracs), flush=True)
     return results
 

@@ -6,14 +6,29 @@ head) leaves most of the GPU idle. So the context is cut into partitions of
 `partition_size` tokens; program (seq, kv_head, split) computes attention of
 all query heads that share the KV head (GQA: the KV tile is read once for the
 whole group) over its partition, and writes a partial result: the
-partition's normalised output and its log-sum-exp (base 2). A second
-kernel combines the partitions of each (seq, head) by their log-sum-exps.
+partition's normalised output and its log-sum-exp (base 2). The partitions of
+each (seq, head) are then combined by their log-sum-exps, in one of two ways:
 
-Invariants: partition_size is a multiple of BLOCK_N; a partition that starts
-at or beyond its sequence's length is empty and writes log-sum-exp -inf (weight
-0) and a zero output, so grids may be sized for meta.max_seq_len or any bound
-above it (as a CUDA graph captured for the longest context needs). No host
-syncs: every grid size is a host-side int.
+- fused (the default): each (seq, kv_head) has a counter in global memory;
+  a program that wrote its partial result adds one to it, and the program
+  that arrives last combines the partitions and sets the counter back to
+  zero. One launch instead of two: at small batch the second launch and its
+  round trips to memory were a tenth or more of the call. A sequence whose
+  context fits in one partition skips the partial results altogether.
+- a second kernel (_decode_reduce_kernel) over (seq, head): faster where
+  there are many splits, whose combine it spreads over group-times more
+  programs (attention_triton.DecodeConfig.fused_max_splits chooses).
+
+Invariants: partition_size is a multiple of BLOCK_N. A partition that starts
+at or beyond its sequence's length is empty: fused, it does nothing (the
+counter waits only for the sequence's cdiv(seq_len, partition_size) active
+partitions); with the reduce kernel it writes log-sum-exp -inf (weight 0)
+and a zero output. So grids may be sized for meta.max_seq_len or any bound
+above it (as a CUDA graph captured for the longest context needs). A
+sequence of length 0 (CUDA-graph padding) gets a zero output. Counters are
+zero between calls; calls that share them must not overlap (one stream per
+device, see attention_triton.split_counters). No host syncs: every grid size
+is a host-side int.
 """
 from __future__ import annotations
 
@@ -29,7 +44,7 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _decode_partition_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, counters_ptr,
     scale_log2,
     stride_q_tok, stride_q_head,
     stride_cache_block, stride_cache_slot, stride_cache_head,
@@ -37,10 +52,11 @@ def _decode_partition_kernel(
     stride_o_tok, stride_o_head,
     stride_po_seq, stride_po_head, stride_po_split,
     stride_pl_seq, stride_pl_head,
-    partition_size,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    partition_size, num_kv_heads,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -51,16 +67,20 @@ def _decode_partition_kernel(
     row_mask = rows < GROUP
     heads = kv_head * GROUP + rows
     dims = tl.arange(0, HEAD_DIM)
+    o_rows = out_ptr + seq.to(tl.int64) * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :]
+    # Issued before the length is known: the two loads travel together.
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_q_tok + heads[:, None] * stride_q_head
+                + dims[None, :], mask=row_mask[:, None], other=0.0)
     if start >= seq_len:
-        # An empty partition (its sequence is shorter than the grid's bound) still
-        # leaves defined values: weight zero for the reduce, zeros for a padding
-        # sequence of length 0, so the reduce needs no per-sequence length.
         zero = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-        if SINGLE_SPLIT:
-            o = (out_ptr + seq.to(tl.int64) * stride_o_tok + heads[:, None] * stride_o_head
-                 + dims[None, :])
-            tl.store(o, zero.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+        if SINGLE_SPLIT or FUSED_REDUCE:
+            # Only the sequence's active partitions take part; a sequence of
+            # length 0 (padding) still gets a defined output, from split 0.
+            if split == 0:
+                tl.store(o_rows, zero.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
         else:
+            # An empty partition leaves defined values for the reduce kernel:
+            # weight zero, so it needs no per-sequence length.
             po = (part_out_ptr + seq.to(tl.int64) * stride_po_seq
                   + heads[:, None] * stride_po_head + split * stride_po_split + dims[None, :])
             tl.store(po, zero, mask=row_mask[:, None])
@@ -68,9 +88,6 @@ def _decode_partition_kernel(
             tl.store(pl, tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32), mask=row_mask)
         return
     end = tl.minimum(start + partition_size, seq_len)
-
-    q = tl.load(q_ptr + seq.to(tl.int64) * stride_q_tok + heads[:, None] * stride_q_head
-                + dims[None, :], mask=row_mask[:, None], other=0.0)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
@@ -97,14 +114,74 @@ def _decode_partition_kernel(
 
     acc = acc / l_i[:, None]
     if SINGLE_SPLIT:
-        o = out_ptr + seq.to(tl.int64) * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :]
-        tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+        tl.store(o_rows, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    elif FUSED_REDUCE:
+        num_active = tl.cdiv(seq_len, partition_size)
+        if num_active == 1:  # the whole context was this partition's
+            tl.store(o_rows, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+        else:
+            po = (part_out_ptr + seq.to(tl.int64) * stride_po_seq + heads[:, None] * stride_po_head
+                  + split * stride_po_split + dims[None, :])
+            tl.store(po, acc, mask=row_mask[:, None])
+            pl = part_lse_ptr + seq.to(tl.int64) * stride_pl_seq + heads * stride_pl_head + split
+            tl.store(pl, m_i + tl.log2(l_i), mask=row_mask)
+            # Every thread's stores above are ordered before the one thread's
+            # atomic by the barrier; acq_rel at GPU scope publishes them to the
+            # program that sees the final count, and gives it the others'.
+            tl.debug_barrier()
+            counter = counters_ptr + seq * num_kv_heads + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_active - 1:
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next call
+                _combine_partitions(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_active,
+                                    stride_po_seq, stride_po_head, stride_po_split,
+                                    stride_pl_seq, stride_pl_head, stride_o_tok, stride_o_head,
+                                    GROUP, GROUP_P2, HEAD_DIM, SPLIT_CHUNK)
     else:
         po = (part_out_ptr + seq.to(tl.int64) * stride_po_seq + heads[:, None] * stride_po_head
               + split * stride_po_split + dims[None, :])
         tl.store(po, acc, mask=row_mask[:, None])
         pl = part_lse_ptr + seq.to(tl.int64) * stride_pl_seq + heads * stride_pl_head + split
         tl.store(pl, m_i + tl.log2(l_i), mask=row_mask)
+
+
+@triton.jit
+def _combine_partitions(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_active,
+                        stride_po_seq, stride_po_head, stride_po_split,
+                        stride_pl_seq, stride_pl_head, stride_o_tok, stride_o_head,
+                        GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        SPLIT_CHUNK: tl.constexpr):
+    """out[seq, heads of kv_head] from the num_active partial results (online
+    log-sum-exp over chunks of splits). Loads go to L2 (.cg): the partials
+    were written by other programs during this launch."""
+    rows = tl.arange(0, GROUP_P2)
+    row_mask = rows < GROUP
+    heads = kv_head * GROUP + rows
+    dims = tl.arange(0, HEAD_DIM)
+    lse_rows = part_lse_ptr + seq.to(tl.int64) * stride_pl_seq + heads * stride_pl_head
+    po_rows = part_out_ptr + seq.to(tl.int64) * stride_po_seq + heads * stride_po_head
+    m = tl.full([GROUP_P2], float("-inf"), dtype=tl.float32)
+    total = tl.zeros([GROUP_P2], dtype=tl.float32)
+    acc = tl.zeros([GROUP_P2, HEAD_DIM], dtype=tl.float32)
+    for chunk in range(0, num_active, SPLIT_CHUNK):
+        idx = chunk + tl.arange(0, SPLIT_CHUNK)
+        valid = row_mask[:, None] & (idx < num_active)[None, :]
+        lse = tl.load(lse_rows[:, None] + idx[None, :], mask=valid, other=float("-inf"),
+                      cache_modifier=".cg")
+        part = tl.load(po_rows[:, None, None] + idx[None, :, None] * stride_po_split
+                       + dims[None, None, :], mask=valid[:, :, None], other=0.0,
+                       cache_modifier=".cg")
+        # Padding rows (row_mask false) see only -inf; keep their arithmetic finite.
+        m_new = tl.maximum(m, tl.max(lse, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        w = tl.exp2(lse - m_safe[:, None])
+        total = total * alpha + tl.sum(w, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(part * w[:, :, None], axis=1)
+        m = m_new
+    result = acc / tl.maximum(total, 1e-30)[:, None]
+    o = out_ptr + seq.to(tl.int64) * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :]
+    tl.store(o, result.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
 @triton.jit
@@ -155,16 +232,29 @@ def _decode_reduce_kernel(
     tl.store(o, result.to(out_ptr.dtype.element_ty))
 
 
+def _combine_chunk(splits_pad: int, group: int, head_dim: int) -> int:
+    """Splits combined per step in the fused path: [group, chunk, head_dim] fp32
+    values are live at once, kept to 8K (64 registers a thread at 4 warps)."""
+    group_p2 = max(2, triton.next_power_of_2(group))
+    fit = max(2, 8192 // (group_p2 * head_dim))
+    fit = 1 << (fit.bit_length() - 1)  # a power of two, as tl.arange needs
+    return max(2, min(splits_pad, 16, fit))
+
+
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
                      scale: float, out: torch.Tensor, *, partition_size: int, block_n: int,
-                     num_warps: int = 4, num_stages: int = 2,
-                     reduce_chunk: int = 64) -> torch.Tensor:
+                     num_warps: int = 4, num_stages: int = 2, reduce_chunk: int = 64,
+                     counters: torch.Tensor | None = None) -> torch.Tensor:
     """out[i] = attention of query[i] ([num_heads, head_dim]) over sequence i's context.
 
     key_cache/value_cache are [num_blocks, block_size, num_kv_heads, head_dim].
-    reduce_chunk: partial results the reduce combines per loop step. Each step
-    is a dependent round trip to memory, on the critical path at small batch.
+    counters: int32 zeros, at least num_seqs * num_kv_heads of them, left zero
+    again by the call; given, the partitions are combined inside the one
+    launch, otherwise by a second kernel.
+    reduce_chunk: at most this many partial results combined per loop step
+    (a power of two). Each step is a dependent round trip to memory, on the
+    critical path at small batch.
     """
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -172,6 +262,10 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     assert partition_size % block_n == 0, (partition_size, block_n)
     num_splits = max(1, triton.cdiv(max_seq_len, partition_size))
     single = num_splits == 1
+    fused = counters is not None and not single
+    if fused and counters.numel() < num_seqs * num_kv_heads:
+        raise ValueError(f"{counters.numel()} split counters for {num_seqs} x {num_kv_heads} "
+                         "(sequence, KV head) pairs")
     if single:  # the partition kernel normalises and writes out directly
         part_out = part_lse = out
         po_strides, pl_strides = (0, 0, 0), (0, 0)
@@ -182,21 +276,24 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
                                device=query.device)
         po_strides = part_out.stride()[:3]
         pl_strides = part_lse.stride()[:2]
+    splits_pad = triton.next_power_of_2(num_splits)
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, key_cache, value_cache, block_tables, seq_lens, out, part_out, part_lse,
+        counters if fused else seq_lens,  # an unused pointer when not fused
         scale * LOG2E,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         *po_strides, *pl_strides,
-        partition_size,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, SINGLE_SPLIT=single,
+        partition_size, num_kv_heads,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        GROUP_P2=max(2, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, SINGLE_SPLIT=single, FUSED_REDUCE=fused,
+        SPLIT_CHUNK=min(reduce_chunk, _combine_chunk(splits_pad, group, head_dim)),
         **dot_settings(query.dtype), num_warps=num_warps, num_stages=num_stages,
     )
-    if not single:
-        splits_pad = triton.next_power_of_2(num_splits)
+    if not single and not fused:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out,
             *po_strides, *pl_strides,

@@ -118,7 +118,7 @@ def twin_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionM
 
 def check_batch(batch: Batch, config=None) -> tuple[bool, float, str]:
     """Runs write_kv and attention through Triton and the twins; (ok, error, why)."""
-    from tandem.kernels.attention_triton import paged_attention_triton
+    from tandem.kernels.attention_triton import _split_counters, paged_attention_triton
     from tandem.kernels.cache_write import write_kv_triton
 
     ref_cache = batch.kv_cache.clone()
@@ -137,7 +137,42 @@ def check_batch(batch: Batch, config=None) -> tuple[bool, float, str]:
     tol = TOLERANCE[query.dtype]
     if not err <= tol:
         return False, err, f"attention: relative error {err:.2e} > {tol:.0e}"
+    if batch.meta.is_decode_only:
+        # The fused split reduce keeps state between calls (its counters): a
+        # second call must give the same bits and leave every counter at zero.
+        again = paged_attention_triton(query, cache, batch.meta, scale, config)
+        if not torch.equal(again, out):
+            return False, err, "decode: a second call gave a different result"
+        if any(int(c.count_nonzero()) for c in _split_counters.values()):
+            return False, err, "decode: split counters left non-zero"
     return True, err, ""
+
+
+def check_padding_rows(gen: torch.Generator, dtype: torch.dtype, device: str,
+                       config=None) -> tuple[bool, float, str]:
+    """Decode rows of length 0 (a CUDA graph's padding) come out as zeros and leave
+    the real rows' results as they are without them."""
+    from tandem.kernels.attention_triton import paged_attention_triton
+
+    b = make_batch(gen, [200, 37, 1], [1] * 3, 2, 4, 64, 16, dtype, device)
+    scale = 64 ** -0.5
+    real = paged_attention_triton(b.query, b.kv_cache, b.meta, scale, config)
+    pad = 2
+    m = b.meta
+    padded = AttentionMetadata(
+        slot_mapping=torch.cat([m.slot_mapping, m.slot_mapping.new_full((pad,), -1)]),
+        query_start_loc=torch.arange(4 + pad, dtype=torch.int32, device=device),
+        seq_lens=torch.cat([m.seq_lens, m.seq_lens.new_zeros(pad)]),
+        block_tables=torch.cat([m.block_tables, m.block_tables[:1].expand(pad, -1)]),
+        max_query_len=1, max_seq_len=m.max_seq_len,
+        query_start_loc_cpu=list(range(4 + pad)), seq_lens_cpu=m.seq_lens_cpu + [0] * pad)
+    query = torch.cat([b.query, b.query[:pad]])
+    out = paged_attention_triton(query, b.kv_cache, padded, scale, config)
+    if not torch.equal(out[:3], real):
+        return False, float("inf"), "padding rows changed the real rows' results"
+    if bool(out[3:].count_nonzero()):
+        return False, float("inf"), "padding rows (length 0) are not zero"
+    return True, 0.0, ""
 
 
 def check_decode_graph(gen: torch.Generator, dtype: torch.dtype) -> tuple[bool, float, str]:
@@ -213,11 +248,14 @@ def run(size: str, seed: int, device: str, verbose: bool) -> int:
     gen = torch.Generator().manual_seed(seed)
     if size == "small":
         cases, configs = small_cases(rng), [
-            # many splits (each a tile of 32 or 16; reduced 4 at a time, or all at
-            # once), and the single-split path
-            AttentionConfig(DecodeConfig(block_n=32, programs_per_sm=1, reduce_chunk=4),
+            # many splits (each a tile of 32 or 16), combined in the one launch 4
+            # at a time, or by the reduce kernel all at once; and the
+            # single-split path
+            AttentionConfig(DecodeConfig(block_n=32, programs_per_sm=1, reduce_chunk=4,
+                                         fused_max_splits=1 << 30),
                             PrefillConfig(block_m=16, block_n=32)),
-            AttentionConfig(DecodeConfig(block_n=16, programs_per_sm=1, reduce_chunk=64),
+            AttentionConfig(DecodeConfig(block_n=16, programs_per_sm=1, reduce_chunk=64,
+                                         fused_max_splits=0),
                             PrefillConfig(block_m=16, block_n=16)),
             AttentionConfig(DecodeConfig(block_n=16, programs_per_sm=0),
                             PrefillConfig(block_m=32, block_n=16)),
@@ -241,6 +279,16 @@ def run(size: str, seed: int, device: str, verbose: bool) -> int:
             print("FAIL", line, why, flush=True)
         elif verbose:
             print("ok  ", line, flush=True)
+    decode_configs = [c for c in configs if c is not None] or [AttentionConfig()]
+    for config in decode_configs:  # each reduce path, and the single split
+        for dtype in (torch.float32, torch.bfloat16):
+            ok, _, why = check_padding_rows(gen, dtype, device, config)
+            count += 1
+            if not ok:
+                failures += 1
+                print("FAIL decode with padding rows", config.decode, dtype, why, flush=True)
+            elif verbose:
+                print(f"ok   decode with padding rows {dtype}", flush=True)
     if device == "cuda":
         for dtype in (torch.bfloat16, torch.float16):
             ok, err, why = check_decode_graph(gen, dtype)
