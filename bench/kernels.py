@@ -127,9 +127,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--sweep", type=bool,
              help="also time a grid of decode settings (tile, splits per SM, the splits "
                   "always combined in the one launch or always by a second kernel) on "
-                  "--sweep-shapes, and of "
-                  "prefill tiles unless --skip-prefill, to choose the configs' defaults")
-    add_flag(parser, "--sweep-shapes", type=_shape_list, default=",".join(f"{b}x{c}" for b, c in SWEEP_SHAPES),
+                  "--sweep-shapes, and of prefill tiles unless --skip-prefill, to choose the "
+                  "configs' defaults")
+    add_flag(parser, "--sweep-shapes", type=_shape_list,
+             default=",".join(f"{b}x{c}" for b, c in SWEEP_SHAPES),
              help="decode shapes the sweep times, as BATCHxCONTEXT, comma-separated")
     add_flag(parser, "--skip-prefill", type=bool,
              help="leave out the prefill and mixed (decodes + prompt chunk) tables")
@@ -267,13 +268,15 @@ class DecodeBench:
         del outs
         torch.cuda.empty_cache()
         gbps = set_bytes / (us * 1e-6) / 1e9
-        copy_gbps = self.same_size_copy_gbps(set_bytes, len(sets)) if same_size_copy else gbps
+        # 0: not measured (the sweep leaves it out)
+        copy_gbps = self.same_size_copy_gbps(set_bytes, len(sets)) if same_size_copy else 0.0
         partition = decode_partition_size(batch, a.num_kv_heads, context,
                                           _num_sms(torch.device("cuda")), config.decode)
         d = config.decode
         return DecodeRow(batch=batch, context=context, us=us, kv_gbps=gbps,
                          fraction_of_copy=0.0, max_rel_error=err, partition_size=partition,
-                         same_size_copy_gbps=copy_gbps, fraction_of_same_size_copy=gbps / copy_gbps,
+                         same_size_copy_gbps=copy_gbps,
+                         fraction_of_same_size_copy=gbps / copy_gbps if copy_gbps else 0.0,
                          config=f"block_n={d.block_n} programs_per_sm={d.programs_per_sm} "
                                 f"warps={d.num_warps} stages={d.num_stages} "
                                 f"fused_max_splits={d.fused_max_splits}")
@@ -384,7 +387,7 @@ def run_sweep(bench: DecodeBench, args: argparse.Namespace, ceilings: Ceilings) 
               + " ".join(f"{r.tflops:.0f}" for r in rows), flush=True)
     # Warps and stages were swept before (4 warps, 3 stages won, docs/kernels.md);
     # the reduce's place and the split count matter most at small shapes.
-    shapes = [tuple(s) for s in args.sweep_shapes]
+    shapes = args.sweep_shapes
     for fused in (True, False):
         for block_n in (32, 64):
             for programs_per_sm in (2, 4, 8):

@@ -60,31 +60,6 @@ class AttentionConfig:
 DEFAULT_CONFIG = AttentionConfig()
 
 
-# Per device: the int32 counters of the fused split reduce. A call leaves them
-# zero; a CUDA graph keeps the address it captured, so a buffer outgrown by a
-# larger batch is kept alive, never freed. Calls on one device must not
-# overlap (the engine runs attention on one stream): they would share counters.
-_split_counters: dict[torch.device, torch.Tensor] = {}
-_outgrown_counters: list[torch.Tensor] = []
-
-
-def split_counters(device: torch.device, count: int) -> torch.Tensor:
-    """At least `count` zeroed counters on `device` (see decode_attention)."""
-    counters = _split_counters.get(device)
-    if counters is None or counters.numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # Memory allocated now would belong to the graph being captured.
-            raise RuntimeError("decode attention needs more split counters during a CUDA "
-                               "graph capture; run the captured batch size once before capturing")
-        if counters is not None:
-            _outgrown_counters.append(counters)
-        # Room for 512 sequences of 8 KV heads before the first growth; a CUDA
-        # graph's warm-up run (outside its capture) sizes it for that graph.
-        counters = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
-        _split_counters[device] = counters
-    return counters
-
-
 @functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
@@ -130,14 +105,11 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, meta: At
         d = cfg.decode
         partition = decode_partition_size(meta.num_seqs, num_kv_heads, meta.max_seq_len,
                                           _num_sms(query.device), d)
-        splits = triton.cdiv(max(meta.max_seq_len, 1), partition)
-        counters = (split_counters(query.device, meta.num_seqs * num_kv_heads)
-                    if 1 < splits <= d.fused_max_splits else None)
         return decode_attention(query, key_cache, value_cache, meta.block_tables,
                                 meta.seq_lens, meta.max_seq_len, scale, out,
                                 partition_size=partition, block_n=d.block_n,
                                 num_warps=d.num_warps, num_stages=d.num_stages,
-                                reduce_chunk=d.reduce_chunk, counters=counters)
+                                reduce_chunk=d.reduce_chunk, fused_max_splits=d.fused_max_splits)
     p = cfg.prefill
     return prefill_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                              meta.query_start_loc, meta.max_query_len, scale, out,

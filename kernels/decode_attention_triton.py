@@ -27,7 +27,7 @@ and a zero output. So grids may be sized for meta.max_seq_len or any bound
 above it (as a CUDA graph captured for the longest context needs). A
 sequence of length 0 (CUDA-graph padding) gets a zero output. Counters are
 zero between calls; calls that share them must not overlap (one stream per
-device, see attention_triton.split_counters). No host syncs: every grid size
+device, see split_counters). No host syncs: every grid size
 is a host-side int.
 """
 from __future__ import annotations
@@ -39,6 +39,30 @@ import triton.language as tl
 from tandem.kernels.common_triton import dot_settings, mma
 
 LOG2E = 1.4426950408889634
+
+# Per device: the int32 counters of the fused split reduce. A call leaves them
+# zero; a CUDA graph keeps the address it captured, so a buffer outgrown by a
+# larger batch is kept alive, never freed. Calls on one device must not
+# overlap (the engine runs attention on one stream): they would share counters.
+_split_counters: dict[torch.device, torch.Tensor] = {}
+_outgrown_counters: list[torch.Tensor] = []
+
+
+def split_counters(device: torch.device, count: int) -> torch.Tensor:
+    """At least `count` zeroed counters on `device`."""
+    counters = _split_counters.get(device)
+    if counters is None or counters.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # Memory allocated now would belong to the graph being captured.
+            raise RuntimeError("decode attention needs more split counters during a CUDA "
+                               "graph capture; run the captured batch size once before capturing")
+        if counters is not None:
+            _outgrown_counters.append(counters)
+        # Room for 512 sequences of 8 KV heads before the first growth; a CUDA
+        # graph's warm-up run (outside its capture) sizes it for that graph.
+        counters = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+        _split_counters[device] = counters
+    return counters
 
 
 @triton.jit
@@ -81,11 +105,10 @@ def _decode_partition_kernel(
         else:
             # An empty partition leaves defined values for the reduce kernel:
             # weight zero, so it needs no per-sequence length.
-            po = (part_out_ptr + seq.to(tl.int64) * stride_po_seq
-                  + heads[:, None] * stride_po_head + split * stride_po_split + dims[None, :])
-            tl.store(po, zero, mask=row_mask[:, None])
-            pl = part_lse_ptr + seq.to(tl.int64) * stride_pl_seq + heads * stride_pl_head + split
-            tl.store(pl, tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32), mask=row_mask)
+            _store_partial(part_out_ptr, part_lse_ptr, seq, heads, split, dims, row_mask, zero,
+                           tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32),
+                           stride_po_seq, stride_po_head, stride_po_split,
+                           stride_pl_seq, stride_pl_head)
         return
     end = tl.minimum(start + partition_size, seq_len)
 
@@ -120,11 +143,9 @@ def _decode_partition_kernel(
         if num_active == 1:  # the whole context was this partition's
             tl.store(o_rows, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
         else:
-            po = (part_out_ptr + seq.to(tl.int64) * stride_po_seq + heads[:, None] * stride_po_head
-                  + split * stride_po_split + dims[None, :])
-            tl.store(po, acc, mask=row_mask[:, None])
-            pl = part_lse_ptr + seq.to(tl.int64) * stride_pl_seq + heads * stride_pl_head + split
-            tl.store(pl, m_i + tl.log2(l_i), mask=row_mask)
+            _store_partial(part_out_ptr, part_lse_ptr, seq, heads, split, dims, row_mask, acc,
+                           m_i + tl.log2(l_i), stride_po_seq, stride_po_head, stride_po_split,
+                           stride_pl_seq, stride_pl_head)
             # Every thread's stores above are ordered before the one thread's
             # atomic by the barrier; acq_rel at GPU scope publishes them to the
             # program that sees the final count, and gives it the others'.
@@ -138,11 +159,21 @@ def _decode_partition_kernel(
                                     stride_pl_seq, stride_pl_head, stride_o_tok, stride_o_head,
                                     GROUP, GROUP_P2, HEAD_DIM, SPLIT_CHUNK)
     else:
-        po = (part_out_ptr + seq.to(tl.int64) * stride_po_seq + heads[:, None] * stride_po_head
-              + split * stride_po_split + dims[None, :])
-        tl.store(po, acc, mask=row_mask[:, None])
-        pl = part_lse_ptr + seq.to(tl.int64) * stride_pl_seq + heads * stride_pl_head + split
-        tl.store(pl, m_i + tl.log2(l_i), mask=row_mask)
+        _store_partial(part_out_ptr, part_lse_ptr, seq, heads, split, dims, row_mask, acc,
+                       m_i + tl.log2(l_i), stride_po_seq, stride_po_head, stride_po_split,
+                       stride_pl_seq, stride_pl_head)
+
+
+@triton.jit
+def _store_partial(part_out_ptr, part_lse_ptr, seq, heads, split, dims, row_mask, out, lse,
+                   stride_po_seq, stride_po_head, stride_po_split, stride_pl_seq, stride_pl_head):
+    """One partition's result for the query heads `heads`: normalised output
+    [rows, head_dim] and log-sum-exp (base 2) [rows], fp32."""
+    po = (part_out_ptr + seq.to(tl.int64) * stride_po_seq + heads[:, None] * stride_po_head
+          + split * stride_po_split + dims[None, :])
+    tl.store(po, out, mask=row_mask[:, None])
+    pl = part_lse_ptr + seq.to(tl.int64) * stride_pl_seq + heads * stride_pl_head + split
+    tl.store(pl, lse, mask=row_mask)
 
 
 @triton.jit
@@ -245,13 +276,12 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
                      scale: float, out: torch.Tensor, *, partition_size: int, block_n: int,
                      num_warps: int = 4, num_stages: int = 2, reduce_chunk: int = 64,
-                     counters: torch.Tensor | None = None) -> torch.Tensor:
+                     fused_max_splits: int = 0) -> torch.Tensor:
     """out[i] = attention of query[i] ([num_heads, head_dim]) over sequence i's context.
 
     key_cache/value_cache are [num_blocks, block_size, num_kv_heads, head_dim].
-    counters: int32 zeros, at least num_seqs * num_kv_heads of them, left zero
-    again by the call; given, the partitions are combined inside the one
-    launch, otherwise by a second kernel.
+    fused_max_splits: with up to this many splits the partitions are combined
+    inside the one launch (through split_counters), with more by a second kernel.
     reduce_chunk: at most this many partial results combined per loop step
     (a power of two). Each step is a dependent round trip to memory, on the
     critical path at small batch.
@@ -262,10 +292,9 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     assert partition_size % block_n == 0, (partition_size, block_n)
     num_splits = max(1, triton.cdiv(max_seq_len, partition_size))
     single = num_splits == 1
-    fused = counters is not None and not single
-    if fused and counters.numel() < num_seqs * num_kv_heads:
-        raise ValueError(f"{counters.numel()} split counters for {num_seqs} x {num_kv_heads} "
-                         "(sequence, KV head) pairs")
+    fused = 1 < num_splits <= fused_max_splits
+    # The kernel takes a pointer either way; it reads this one only when fused.
+    counters = split_counters(query.device, num_seqs * num_kv_heads) if fused else seq_lens
     if single:  # the partition kernel normalises and writes out directly
         part_out = part_lse = out
         po_strides, pl_strides = (0, 0, 0), (0, 0)
@@ -279,7 +308,7 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     splits_pad = triton.next_power_of_2(num_splits)
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, key_cache, value_cache, block_tables, seq_lens, out, part_out, part_lse,
-        counters if fused else seq_lens,  # an unused pointer when not fused
+        counters,
         scale * LOG2E,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),

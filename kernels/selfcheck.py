@@ -118,8 +118,9 @@ def twin_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionM
 
 def check_batch(batch: Batch, config=None) -> tuple[bool, float, str]:
     """Runs write_kv and attention through Triton and the twins; (ok, error, why)."""
-    from tandem.kernels.attention_triton import _split_counters, paged_attention_triton
+    from tandem.kernels.attention_triton import paged_attention_triton
     from tandem.kernels.cache_write import write_kv_triton
+    from tandem.kernels.decode_attention_triton import _split_counters
 
     ref_cache = batch.kv_cache.clone()
     write_kv_torch(batch.key, batch.value, ref_cache, batch.meta.slot_mapping)
