@@ -108,7 +108,7 @@ deployment() {  # STEP PORT: start one deployment, run its sweeps, stop it, pack
   $PY -m tandem.services.launcher up "${shape[@]}" --port "$port" --grpc-port 0 --store memory \
     --model "$ASSETS/$PRESET" --tokenizer "$ASSETS/$PRESET/tokenizer" --load-format dummy \
     --device "$DEVICE" --gpu-memory-utilization "$MEM" --log-dir "$res/logs" \
-    --state-file "$res/state.json" > "$res/up.log" 2>&1 &
+    --state-file "$res/state.json" --no-restart > "$res/up.log" 2>&1 &
   up_pid=$!
   ready() { $PY -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)" "$base/models" 2>/dev/null; }
   until [[ -s $res/state.json ]] && ready; do

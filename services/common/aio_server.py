@@ -15,8 +15,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tandem.services.common.grpc_server import (CHANNEL_OPTIONS, RECONNECT_OPTIONS, TLSConfig, bind,
-                                                channel_credentials)
+from tandem.services.common.grpc_server import (CHANNEL_OPTIONS, RECONNECT_OPTIONS, SERVER_OPTIONS,
+                                                TLSConfig, bind, channel_credentials)
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +41,13 @@ class RunningAioServer:
 
 async def start_aio_grpc_server(add_servicers: Callable[[grpc.aio.Server], list[str]], host: str,
                                 port: int, tls: Optional[TLSConfig] = None,
-                                max_receive_bytes: Optional[int] = None) -> RunningAioServer:
+                                max_receive_bytes: Optional[int] = None,
+                                port_flag: str = "--port") -> RunningAioServer:
     """Start a server on the running loop; `add_servicers` registers servicers and
-    returns their full names. port 0 picks a free port; the chosen one is returned.
+    returns their full names. port 0 picks a free port; the chosen one is returned;
+    a taken one ends the process with an error naming `port_flag`.
     max_receive_bytes: a smaller limit on incoming messages (public APIs)."""
-    options = list(CHANNEL_OPTIONS)
+    options = list(SERVER_OPTIONS)
     if max_receive_bytes:
         options = [o for o in options if o[0] != "grpc.max_receive_message_length"]
         options.append(("grpc.max_receive_message_length", max_receive_bytes))
@@ -54,7 +56,7 @@ async def start_aio_grpc_server(add_servicers: Callable[[grpc.aio.Server], list[
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = bind(server, host, port, tls)
+    bound = bind(server, host, port, tls, port_flag)
     await server.start()
     running = RunningAioServer(server=server, port=bound, health=health_servicer, names=names)
     await running.set_serving(True)

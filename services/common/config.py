@@ -8,11 +8,20 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Callable, Optional
+import sys
+from typing import Any, Callable, NoReturn, Optional
 
 
 def env_name(flag: str) -> str:
     return "TANDEM_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def config_error(message: str) -> NoReturn:
+    """Stop at start over a bad setting: `error: MESSAGE` on stderr and exit
+    status 2, as argparse does for bad usage; no traceback. The message names
+    the flag and says what to do."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 def _parse_bool(text: str) -> bool:

@@ -2,8 +2,10 @@
 optional TLS/mTLS, and a graceful stop."""
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import socket
 import sys
 from concurrent import futures
 from dataclasses import dataclass
@@ -20,6 +22,17 @@ MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+# gRPC sets SO_REUSEPORT by default, so a second server on a taken port would
+# silently share it (and its calls) with the first; a taken port must fail.
+SERVER_OPTIONS = CHANNEL_OPTIONS + [
+    ("grpc.so_reuseport", 0),
+    # gRPC sheds calls its handlers have not picked up yet past this many
+    # (1000 by default) with a bare CANCELLED. Above every admission limit
+    # (an engine's --max-num-seqs + --max-queued-requests, 768 by default),
+    # a burst reaches the code that refuses it properly: RESOURCE_EXHAUSTED.
+    ("grpc.server.max_pending_requests", 8192),
+    ("grpc.server.max_pending_requests_hard_limit", 16384),
 ]
 
 
@@ -87,31 +100,68 @@ class RunningServer:
         self.server.stop(grace_s).wait(grace_s + 5.0)
 
 
-
-def bind(server, host: str, port: int, tls: Optional[TLSConfig]) -> int:
-    """Listen on host:port (sync or aio server), over TLS when `tls` has a
-    certificate and key, requiring client certificates when it has a CA too;
-    returns the bound port."""
+def bind(server, host: str, port: int, tls: Optional[TLSConfig], port_flag: str = "--port") -> int:
+    """Listen on host:port (sync or aio server, created with SERVER_OPTIONS),
+    over TLS when `tls` has a certificate and key, requiring client
+    certificates when it has a CA too; returns the bound port. A port that
+    cannot be bound ends the process with one line naming it and `port_flag`."""
     address = f"{host}:{port}"
-    if tls and tls.enabled:
-        creds = grpc.ssl_server_credentials(
-            [(_read(tls.key_file), _read(tls.cert_file))],
-            root_certificates=_read(tls.ca_file) if tls.ca_file else None,
-            require_client_auth=bool(tls.ca_file))
-        bound = server.add_secure_port(address, creds)
-    else:
-        bound = server.add_insecure_port(address)
+    # Asked first, so a taken port gets the OS's reason (gRPC's own is a log
+    # line of its C core); gRPC still has the last word on a race.
+    problem = why_unbindable(host, port, port_flag)
+    bound = 0
+    if problem is None:
+        try:
+            if tls and tls.enabled:
+                creds = grpc.ssl_server_credentials(
+                    [(_read(tls.key_file), _read(tls.cert_file))],
+                    root_certificates=_read(tls.ca_file) if tls.ca_file else None,
+                    require_client_auth=bool(tls.ca_file))
+                bound = server.add_secure_port(address, creds)
+            else:
+                bound = server.add_insecure_port(address)
+        except RuntimeError:  # grpcio >= 1.50 raises where older ones returned 0
+            bound = 0
     if bound == 0:
-        raise SystemExit(f"error: cannot listen on {address} (port in use?)")
+        problem = problem or why_unbindable(host, port, port_flag) or (
+            f"gRPC could not bind it; pick another port with {port_flag}")
+        raise SystemExit(f"error: cannot listen on {address}: {problem}")
     return bound
 
+
+def why_unbindable(host: str, port: int, port_flag: str = "--port") -> Optional[str]:
+    """Why a server cannot listen on host:port now, as the OS says it, and
+    what to change; None when it can."""
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(host.strip("[]"), port,
+                                                              type=socket.SOCK_STREAM)[0]
+    except socket.gaierror:
+        return None  # a name only gRPC's resolver knows: it tells
+    try:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC and uvicorn do
+            probe.bind(sockaddr)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            return (f"the port is in use (another tandem process?); pick another port with "
+                    f"{port_flag} (0 picks a free one)")
+        if exc.errno == errno.EACCES:
+            return f"permission denied; pick a port above 1023 with {port_flag}"
+        if exc.errno == errno.EADDRNOTAVAIL:
+            return f"{host} is not an address of this machine; pick one with --host"
+        return f"{exc.strerror or exc}; pick another port with {port_flag}"
+    return None
+
+
 def start_grpc_server(add_servicers: Callable[[grpc.Server], list[str]], host: str, port: int,
-                      max_workers: int = 32, tls: Optional[TLSConfig] = None) -> RunningServer:
+                      max_workers: int = 32, tls: Optional[TLSConfig] = None,
+                      port_flag: str = "--port") -> RunningServer:
     """Start a server; `add_servicers` registers servicers and returns their full names.
 
-    port 0 picks a free port; the chosen one is returned.
+    port 0 picks a free port; the chosen one is returned. A taken port ends
+    the process with an error naming `port_flag`.
     """
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS)
     names = add_servicers(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -119,7 +169,7 @@ def start_grpc_server(add_servicers: Callable[[grpc.Server], list[str]], host: s
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = bind(server, host, port, tls)
+    bound = bind(server, host, port, tls, port_flag)
     server.start()
     log.info("gRPC %s listening on %s:%d", ",".join(names), host, bound)
     return RunningServer(server=server, port=bound, health=health_servicer)

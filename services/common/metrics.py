@@ -2,7 +2,7 @@
 
 All series live in prometheus-client's default registry so any role can
 expose them: gRPC roles (prefill, decode, kvstore) call
-`start_metrics_server(port)`; the router returns `metrics_response()` from its
+`start_metrics_server(port, host=...)`; the router returns `metrics_response()` from its
 FastAPI `/metrics` route.
 
 Every metric carries a `role` label; all but the kvstore ones also carry
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Optional
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
@@ -129,6 +130,12 @@ ROUTER_BACKEND_FAILURES = Counter(
     "tandem:router_backend_failures",
     "Calls to a backend instance that failed and took it out of the pool, by tier and instance.",
     ENGINE + ("target_role", "backend"))
+ROUTER_INSTANCE_ERRORS = Counter(
+    "tandem:router_instance_errors",
+    "Calls to an instance that failed for the instance's sake, by tier and outcome: retried (the "
+    "request never reached an engine there: refused, draining, dead, and went to another "
+    "instance) or failed (an engine took the request and failed on it: not sent on).",
+    ENGINE + ("target_role", "outcome"))
 ROUTER_HEALTHY_INSTANCES = Gauge(
     "tandem:router_healthy_instances", "Backend instances passing health checks, per tier.",
     ENGINE + ("target_role",))
@@ -199,15 +206,19 @@ class _MetricsHandler(BaseHTTPRequestHandler):
         pass
 
 
-def start_metrics_server(port: int, host: str = "0.0.0.0") -> None:
-    """Serve /metrics over HTTP on `port` in a daemon thread; port 0 disables it."""
+def start_metrics_server(port: int, host: str = "0.0.0.0") -> Optional[ThreadingHTTPServer]:
+    """Serve /metrics over HTTP on host:port in a daemon thread; port 0
+    disables it. Pass the role's --host: under --host 127.0.0.1 metrics must
+    not be reachable from other machines either. A port that cannot be bound
+    ends the process with one line naming it."""
     if port == 0:
-        return
+        return None
     try:
         server = ThreadingHTTPServer((host, port), _MetricsHandler)
     except OSError as exc:
         raise SystemExit(
-            f"error: cannot serve metrics on {host}:{port}: {exc}. "
-            "Pick a free port with --metrics-port, or 0 to turn metrics off.") from exc
+            f"error: cannot serve metrics on {host}:{port}: {exc.strerror or exc}; "
+            "pick a free port with --metrics-port, or 0 to turn metrics off") from None
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+    return server

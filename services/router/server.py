@@ -10,8 +10,9 @@ import asyncio
 import contextlib
 import logging
 import signal
+from typing import Optional
 
-from tandem.services.common.config import add_flag
+from tandem.services.common.config import add_flag, config_error
 from tandem.services.common.engine_service import DEFAULT_MODEL, run_main
 from tandem.services.common.grpc_server import add_tls_arguments, tls_from_args
 
@@ -65,11 +66,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_tls_arguments(parser)
 
 
+def api_keys_from_flag(keys: Optional[list[str]]) -> list[str]:
+    """The keys of --api-key / TANDEM_API_KEY; unset: none (no authentication).
+    An empty one stops the start: it would have turned authentication off."""
+    if keys is None:
+        return []
+    if not keys or any(not k.strip() for k in keys):
+        config_error("--api-key: empty key; give non-empty keys (TANDEM_API_KEY: comma-separated), "
+                     "or leave both --api-key and TANDEM_API_KEY unset to serve without authentication")
+    return list(keys)
+
+
 def _served_model(args: argparse.Namespace):
-    from tandem.engine.loader import EMBEDDED_ALIASES, EMBEDDED_MODEL_ID, load_model_info
+    from tandem.engine.loader import (EMBEDDED_ALIASES, EMBEDDED_MODEL_ID, ModelNotFoundError,
+                                      load_model_info)
     from tandem.services.router.frontend import ServedModel
 
-    info = load_model_info(args.model, tokenizer=getattr(args, "tokenizer", None))
+    try:
+        info = load_model_info(args.model, tokenizer=getattr(args, "tokenizer", None))
+    except ModelNotFoundError as exc:
+        config_error(f"--model: {exc}")
     aliases = {args.model}
     if info.model_id == EMBEDDED_MODEL_ID:
         aliases |= set(EMBEDDED_ALIASES)

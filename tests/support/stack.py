@@ -7,6 +7,10 @@ cores, so stacks are shared: every module asking for the same StackOptions
 gets the same stack for the whole session. A module that kills children asks
 for `private=True` and gets its own, stopped when the module ends.
 
+A killed child stays dead (`tandem up --no-restart --keep-going`): fault tests
+study the stack without it, and `restart()` brings it back by hand. Tests of
+the launcher's own policies ask for `when_child_exits="restart"` or `"stop"`.
+
 Options per module: `TANDEM_STACK_OPTIONS = StackOptions(...)` at module
 level, or indirect parametrization with a StackOptions.
 """
@@ -28,6 +32,7 @@ import pytest
 from tests.support.ports import free_port
 
 START_TIMEOUT_S = float(os.environ.get("TANDEM_TEST_STACK_TIMEOUT", "300"))
+_EXIT_FLAGS = {"leave": ("--no-restart", "--keep-going"), "restart": (), "stop": ("--no-restart",)}
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,17 @@ class StackOptions:
     store: str = "memory"  # or a redis:// URL
     extra_args: tuple[str, ...] = ()  # more `tandem up` flags
     private: bool = False  # True: not shared (the module kills or restarts children)
+    # What the launcher does when a child exits: "leave" it dead (--no-restart
+    # --keep-going), "restart" it (tandem up's default), or "stop" the stack (--no-restart).
+    when_child_exits: str = "leave"
+    env: tuple[tuple[str, str], ...] = ()  # more environment for `tandem up` and its children
+
+
+# `tandem up --prefill 2 --decode 2`, shared by the suites that need two of
+# each (poison requests, text through the split, abort during prefill). 600
+# KV blocks (9,600 tokens, more than SmolLM2's context) instead of the CPU
+# default's 1 GiB per engine: shared stacks stay up for the whole session.
+TWO_BY_TWO = StackOptions(prefill=2, decode=2, extra_args=("--num-blocks", "600"))
 
 
 class TandemStack:
@@ -57,10 +73,10 @@ class TandemStack:
         argv = [sys.executable, "-m", "tandem.services.launcher", "up", "--port", str(self.http_port),
                 "--grpc-port", str(free_port()), "--prefill", str(o.prefill), "--decode", str(o.decode),
                 "--store", o.store, "--state-file", self.state_file, "--log-dir", self.dir,
-                "--keep-going", *o.extra_args]
+                *_EXIT_FLAGS[o.when_child_exits], *o.extra_args]
         self._launcher_log = open(os.path.join(self.dir, "launcher.log"), "wb")
         self.launcher = subprocess.Popen(argv, stdout=self._launcher_log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL)
+                                         stdin=subprocess.DEVNULL, env=dict(os.environ, **dict(o.env)))
         deadline = time.monotonic() + START_TIMEOUT_S
         while not os.path.exists(self.state_file):
             if self.launcher.poll() is not None:
@@ -68,13 +84,21 @@ class TandemStack:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"tandem up not ready after {START_TIMEOUT_S}s:\n{self.launcher_log()}")
             time.sleep(0.2)
-        with open(self.state_file) as f:
-            self.state = json.load(f)
+        self.refresh()
         self.model = httpx.get(f"{self.http_url}/v1/models", timeout=10).json()["data"][0]["id"]
         return self
 
+    def refresh(self) -> None:
+        """Read the launcher's state file again (it rewrites it when it restarts a child)."""
+        with open(self.state_file) as f:
+            self.state = json.load(f)
+
     def stop(self) -> None:
         """Always safe to call; leaves no process behind."""
+        try:
+            self.refresh()  # the pids of children the launcher restarted
+        except (OSError, ValueError):
+            pass
         if self.launcher and self.launcher.poll() is None:
             self.launcher.send_signal(signal.SIGTERM)
             try:
@@ -91,12 +115,14 @@ class TandemStack:
         if getattr(self, "_launcher_log", None):
             self._launcher_log.close()
 
-    def launcher_log(self) -> str:
+    def launcher_log(self, last_chars: Optional[int] = 6000) -> str:
+        """What `tandem up` printed (its last `last_chars`; None: all of it)."""
         try:
             with open(os.path.join(self.dir, "launcher.log"), errors="replace") as f:
-                return f.read()[-6000:]
+                text = f.read()
         except OSError:
             return ""
+        return text[-last_chars:] if last_chars else text
 
     # --- where things are ----------------------------------------------------------------
 
@@ -165,7 +191,7 @@ class TandemStack:
     # --- faults ------------------------------------------------------------------------
 
     def kill(self, name: str) -> None:
-        """SIGKILL one child (the launcher runs with --keep-going and carries on)."""
+        """SIGKILL one child (the launcher leaves it dead unless `when_child_exits` says otherwise)."""
         child = self.child(name)
         _kill_pid(child["pid"])
         deadline = time.monotonic() + 10
@@ -194,6 +220,21 @@ class TandemStack:
                 with open(log_path, errors="replace") as f:
                     raise RuntimeError(f"restarting {name} failed:\n{f.read()[-4000:]}")
             time.sleep(0.1)
+
+    def wait_restarted(self, name: str, old_pid: int, timeout_s: float = START_TIMEOUT_S) -> dict:
+        """With when_child_exits="restart": wait until the launcher has restarted child `name`
+        (a pid other than old_pid in the state file) and said it listens again;
+        returns the child's new state."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.refresh()
+            child = self.child(name)
+            again = f"{name} listening on {child['address']} again"
+            if child["pid"] != old_pid and again in self.launcher_log(None):
+                return child
+            if self.launcher.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{name} was not restarted:\n{self.launcher_log()}")
+            time.sleep(0.2)
 
 
 def _alive(pid: int) -> bool:

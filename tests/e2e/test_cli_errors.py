@@ -1,0 +1,83 @@
+"""Mistakes on the command line stop `tandem up` and `tandem serve router` at
+once with one `error: ...` line and status 2, never a traceback: an empty API
+key (it used to turn authentication off), a model that is not there. And the
+banner's curl line hands the API key to the shell to expand."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.ports import free_port
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+
+def tandem(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tandem.services.launcher", *argv],
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120,
+                          env=dict(os.environ, **(env or {})))
+
+
+def up(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return tandem("up", "--port", str(free_port()), "--grpc-port", str(free_port()), *argv, env=env)
+
+
+def router(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return tandem("serve", "router", "--port", "0", "--grpc-port", "-1", "--decode", "127.0.0.1:1",
+                  "--startup-timeout", "0.1", *argv, env=env)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, starts: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(starts), result.stderr
+
+
+EMPTY_KEYS = {
+    "flag": (["--api-key", ""], {}),
+    "env": ([], {"TANDEM_API_KEY": ""}),
+    "env item": ([], {"TANDEM_API_KEY": "secret,"}),
+}
+
+
+@pytest.mark.parametrize("command", [up, router], ids=["up", "serve router"])
+@pytest.mark.parametrize("how", list(EMPTY_KEYS))
+def test_an_empty_api_key_is_an_error_at_start(command, how):
+    argv, env = EMPTY_KEYS[how]
+    result = command(*argv, env=env)
+    assert_one_line_error(result, "error: --api-key: empty key; give non-empty keys")
+    assert "unset to serve without authentication" in result.stderr
+
+
+@pytest.mark.parametrize("command", [up, router], ids=["up", "serve router"])
+def test_a_missing_model_is_an_error_that_says_where_it_looked(command, tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    result = command("--model", missing)
+    assert_one_line_error(result, f"error: --model: model {missing!r} not found: no folder or file {missing}")
+    assert "'smollm2' for the embedded SmolLM2-135M-Instruct" in result.stderr
+
+
+def test_a_hub_id_is_told_how_to_download(tmp_path):
+    result = up("--model", "meta-llama/Llama-3.1-8B")
+    assert_one_line_error(result, "error: --model: model 'meta-llama/Llama-3.1-8B' not found")
+    assert "huggingface-cli download meta-llama/Llama-3.1-8B --local-dir DIR" in result.stderr
+
+
+def test_banner_curl_lets_the_shell_expand_the_api_key(capsys):
+    import argparse
+
+    from tandem.services.launcher import Child, _print_banner
+
+    router_child = Child(name="router", role="router", argv=[], log_path="", address="127.0.0.1:8000")
+    _print_banner(router_child, "127.0.0.1:50051", argparse.Namespace(api_key=["k"]), "m",
+                  [router_child], "/tmp/logs")
+    header = re.search(r"curl \S+ -H '[^']*'( -H \S+ \S+ \S+)", capsys.readouterr().out).group(1)
+    # What bash passes to curl for that part of the printed line.
+    expanded = subprocess.run(["bash", "-c", f"printf '%s|' {header}"], capture_output=True, text=True,
+                              env=dict(os.environ, TANDEM_API_KEY="s3cret")).stdout
+    assert expanded == "-H|Authorization: Bearer s3cret|"
