@@ -4,6 +4,12 @@ request's outputs reach its caller through an asyncio queue.
 Only the engine thread touches the engine; callers hand it commands through a
 thread-safe queue. A caller that stops listening (cancelled, generator
 closed) aborts its request, so its blocks go back to the pool.
+
+Two kinds of failure, kept apart: a request the engine fails alone ends its
+caller's stream with RequestFailedError while the engine steps on; a failure
+of the engine itself (its loop raised) fails every caller with
+EngineDeadError and calls `on_death`, so the service can stop looking
+healthy and exit for its supervisor to restart it.
 """
 from __future__ import annotations
 
@@ -11,7 +17,7 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import AsyncIterator, Optional, Sequence
+from typing import AsyncIterator, Callable, Optional, Sequence
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
@@ -23,11 +29,17 @@ _FAILED = object()  # marker put on a request's queue when the engine failed it
 
 
 class EngineDeadError(RuntimeError):
-    pass
+    """The engine's loop has stopped: no request can run in this process any more."""
+
+
+class InjectedFault(RuntimeError):
+    """Raised in the engine loop by inject_fault() (fault tests)."""
 
 
 class AsyncLLMEngine:
-    def __init__(self, config: EngineConfig, engine: Optional[LLMEngine] = None) -> None:
+    def __init__(self, config: EngineConfig, engine: Optional[LLMEngine] = None,
+                 on_death: Optional[Callable[[BaseException], None]] = None) -> None:
+        """on_death(exc): called once, on the engine thread, when the loop dies."""
         self.engine = engine or LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self.model_id = self.engine.model_id
@@ -38,6 +50,8 @@ class AsyncLLMEngine:
         self._stats: EngineStats = self.engine.stats()
         self._stopped = threading.Event()
         self.error: Optional[BaseException] = None
+        self._on_death = on_death
+        self._fault: Optional[str] = None
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self._thread.start()
 
@@ -45,6 +59,8 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         try:
             while not self._stopped.is_set():
+                if self._fault is not None:
+                    raise InjectedFault(self._fault)
                 self._drain_commands()
                 if not self.engine.has_unfinished():
                     self._stats = self.engine.stats()
@@ -62,8 +78,37 @@ class AsyncLLMEngine:
         except BaseException as exc:  # the engine is broken: fail every caller, loudly
             log.exception("engine loop died")
             self.error = exc
+            # First the service (health turns NOT_SERVING), then the callers.
+            if self._on_death is not None:
+                try:
+                    self._on_death(exc)
+                except Exception:
+                    log.exception("on_death callback failed")
             for rid in list(self._streams):
                 self._deliver(rid, _FAILED)
+            self._fail_queued_adds()
+
+    def _fail_queued_adds(self) -> None:
+        """Requests handed over after the loop's last drain: their callers
+        wait on `added`, which must fail now. (generate() checks `error`
+        after queueing its command, and `error` is set before this runs, so
+        no caller is missed.)"""
+        while True:
+            try:
+                kind, args = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                rid, *_, fut_loop, fut = args
+                self._streams.pop(rid, None)
+                fut_loop.call_soon_threadsafe(
+                    _set_exception, fut, EngineDeadError(f"the engine failed: {self.error!r}"))
+
+    def inject_fault(self, reason: str = "injected fault") -> None:
+        """Make the engine loop raise at its next iteration, as a real engine
+        failure would (fault tests; services wire it only when asked to)."""
+        self._fault = reason
+        self._wakeup.set()
 
     def _drain_commands(self) -> None:
         while True:
@@ -108,6 +153,9 @@ class AsyncLLMEngine:
         self._commands.put(("add", (request_id, list(prompt_token_ids), params,
                                     list(first_token_ids or []), kv_transfer_params, loop, added)))
         self._wakeup.set()
+        if self.error is not None:
+            self._streams.pop(request_id, None)
+            raise EngineDeadError(f"the engine has stopped: {self.error!r}")
         await added  # raises the engine's validation error, if any
         finished = False
         try:
@@ -115,6 +163,9 @@ class AsyncLLMEngine:
                 item = await q.get()
                 if item is _FAILED:
                     raise EngineDeadError(f"the engine failed: {self.error!r}")
+                if item.error is not None:
+                    finished = True  # the engine already let the request go
+                    raise item.error
                 yield item
                 if item.finished:
                     finished = True

@@ -1,10 +1,15 @@
 """Engine configuration: plain dataclasses whose fields are the knobs vLLM users know."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 SchedulingPolicy = Literal["fifo", "srtf"]
+# Token budget of a step by device: a GPU step of 8192 tokens takes tens of
+# ms; on a CPU 2048 tokens already take seconds, and the budget is how long an
+# aborted prompt may keep computing.
+DEFAULT_TOKEN_BUDGET = {"cuda": 8192, "cpu": 2048}
 LoadFormat = Literal["auto", "gguf", "safetensors", "dummy"]
 KVRole = Literal["producer", "consumer", "both"]
 
@@ -37,7 +42,10 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    max_num_batched_tokens: int = 8192  # the token budget of one step
+    # The token budget of one step; None: DEFAULT_TOKEN_BUDGET for the device.
+    # It bounds a step's time and memory: an abort or a disconnect takes
+    # effect between steps, so a prompt's compute stops within one chunk.
+    max_num_batched_tokens: Optional[int] = None
     max_num_seqs: int = 256
     policy: SchedulingPolicy = "fifo"
     staging_queue_size: int = 8  # two-level SRTF (thesis 4.5.3)
@@ -61,6 +69,14 @@ class EngineConfig:
     # Direct transfer: seconds a prefill keeps a finished prompt's blocks for
     # the decode to copy when nobody releases them earlier.
     kv_hold_timeout_s: float = 30.0
+
+    def with_defaults(self) -> "EngineConfig":
+        """A copy with every device-dependent default (None) decided."""
+        if self.scheduler.max_num_batched_tokens is not None:
+            return self
+        budget = DEFAULT_TOKEN_BUDGET[self.resolved_device()]
+        return dataclasses.replace(self, scheduler=dataclasses.replace(
+            self.scheduler, max_num_batched_tokens=budget))
 
     def resolved_device(self) -> str:
         if self.device != "auto":

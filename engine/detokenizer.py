@@ -21,14 +21,6 @@ class Detokenizer:
         self.emitted = 0  # characters of `text` already handed out
         self.output_ids: list[int] = []
 
-    def skip_already_sent(self, token_ids: list[int]) -> None:
-        """Tokens whose text the client already has (a prefill service's first token)."""
-        if self.tokenizer is None:  # a token-ids-only model: there is no text to skip
-            return
-        self.output_ids.extend(token_ids)
-        self.text = self._decode()
-        self.emitted = len(self.text.rstrip(REPLACEMENT))
-
     def _decode(self) -> str:
         return self.tokenizer.decode(self.output_ids, skip_special_tokens=True)
 

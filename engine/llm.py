@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence, Union
 
 from tandem.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tandem.engine.llm_engine import LLMEngine
-from tandem.engine.request import SamplingParams, TokenLogprob
+from tandem.engine.request import SamplingParams, TokenLogprob, choice_seed
 
 Prompt = Union[str, Sequence[int]]
 
@@ -87,8 +87,7 @@ class LLM:
             for j in range(p.n):
                 child = copy.copy(p)
                 child.n = 1
-                if p.seed is not None:
-                    child.seed = p.seed + j
+                child.seed = choice_seed(p.seed, j)
                 rid = f"{i}#{j}"
                 completion = CompletionOutput(index=j, text="", token_ids=[], logprobs=[], finish_reason=None)
                 result.outputs.append(completion)
@@ -96,6 +95,10 @@ class LLM:
                 self.engine.add_request(rid, ids, child)
         while self.engine.has_unfinished():
             for out in self.engine.step():
+                if out.error is not None:
+                    # Nothing half-done stays behind in the engine for the next call.
+                    self.engine.abort(list(children))
+                    raise out.error
                 result, completion = children[out.request_id]
                 completion.token_ids.extend(out.new_token_ids)
                 completion.text += out.new_text

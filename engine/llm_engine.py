@@ -18,8 +18,8 @@ from tandem.engine.detokenizer import Detokenizer
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.loader import ModelInfo, load_model_info
 from tandem.engine.model_runner import ModelRunner
-from tandem.engine.request import (Request, RequestStatus, SamplingParams, SamplingParamsError,
-                                   TokenLogprob)
+from tandem.engine.request import (Request, RequestFailedError, RequestStatus, SamplingParams,
+                                   SamplingParamsError, TokenLogprob)
 from tandem.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,8 @@ class RequestOutput:
     # Set on a finished request by the connector: e.g. a DirectHandle to the
     # prompt's blocks, which the decode engine copies (connector/direct.py).
     kv_transfer_params: dict = field(default_factory=dict)
+    # finish_reason "error": why the engine failed this request (and only it).
+    error: Optional[RequestFailedError] = None
 
 
 @dataclass
@@ -73,7 +75,7 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, info: Optional[ModelInfo] = None) -> None:
-        self.config = config
+        self.config = config = config.with_defaults()
         mc = config.model
         self.info = info or load_model_info(mc.model, mc.load_format, mc.hf_config, mc.tokenizer,
                                             mc.max_model_len)
@@ -98,6 +100,9 @@ class LLMEngine:
         self.eos_token_id = self._eos_token_id()
         self._detok: dict[str, Detokenizer] = {}
         self._pending_first: dict[str, bool] = {}
+        # Outputs produced outside a model step (a decode's first tokens that
+        # came from prefill), handed out by the next step().
+        self._ready: list[RequestOutput] = []
         self._prompt_computed = 0
         self._prompt_local_hit = 0
         self._prompt_external = 0
@@ -137,15 +142,24 @@ class LLMEngine:
                     arrival_time: Optional[float] = None,
                     kv_transfer_params: Optional[dict] = None) -> Request:
         """Queue a request. first_token_ids: tokens already sampled elsewhere
-        (the prefill service's first token); generation continues after them.
+        (the prefill service's first token): they go through this engine's
+        detokenizer and stop rules as if sampled here, so the text and finish
+        reason are exactly a colocated engine's; their output comes from the
+        next step() without a model step, and generation continues after them.
         kv_transfer_params: where the connector finds the prompt's KV (the
         prefill's RequestOutput.kv_transfer_params)."""
+        params.validate()  # a caller may have changed fields since construction
         if params.n != 1:
             raise SamplingParamsError("n: the engine takes n=1 per request; fan out n requests")
         vocab = self.info.hf_config.vocab_size
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
             raise SamplingParamsError(f"prompt: token ids must be integers in [0, {vocab})")
         first = list(first_token_ids or [])
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in first):
+            raise SamplingParamsError(f"first_token_ids: token ids must be integers in [0, {vocab})")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise SamplingParamsError(f"stop_token_ids: token ids must be in [0, {vocab})")
+        self._check_min_tokens_leave_a_token(params, vocab)
         num_prompt = len(prompt_token_ids)
         if num_prompt + len(first) >= self.max_model_len:
             raise SamplingParamsError(
@@ -158,24 +172,52 @@ class LLMEngine:
             raise SamplingParamsError(
                 f"max_tokens: prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"the model's context of {self.max_model_len} tokens")
-        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_id,
-                          arrival_time, output_token_ids=first)
+        if request_id in self.scheduler.requests or request_id in self._detok:
+            raise SamplingParamsError(f"request_id: {request_id!r} is already in use")
+        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_id, arrival_time)
         if kv_transfer_params:
             request.kv_transfer_params.update(kv_transfer_params)
-        detok = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+        self._detok[request_id] = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+        self._pending_first[request_id] = True
         if first:
-            detok.skip_already_sent(first)
+            now, text = time.monotonic(), ""
+            for token in first:
+                out = self._append_and_check(request, token, None, now, scheduled=False)
+                text += out.new_text
+                if out.finished:
+                    break
+            out.new_token_ids, out.new_text = first[: out.num_output_tokens], text
+            self._ready.append(out)
+            if out.finished:
+                return request
         self.scheduler.add_request(request)
         if self.connector is not None:
             self.connector.prefetch(request)
-        self._detok[request_id] = detok
-        self._pending_first[request_id] = True
         return request
 
+    def _check_min_tokens_leave_a_token(self, params: SamplingParams, vocab: int) -> None:
+        if params.min_tokens == 0 or len(params.stop_token_ids) < vocab - 1:
+            return
+        banned = set(params.stop_token_ids)
+        if self.eos_token_id is not None and not params.ignore_eos:
+            banned.add(self.eos_token_id)
+        if len(banned) >= vocab:
+            raise SamplingParamsError(
+                "min_tokens: while it holds, stop_token_ids and EOS ban every token of the vocabulary; "
+                "leave at least one token allowed or set min_tokens to 0")
+
     def abort(self, request_ids: Union[str, Iterable[str]]) -> None:
-        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
-            if self.scheduler.abort(rid) is not None:
+        """Stop requests now: their blocks go back before the next step, so a
+        prompt's compute stops within the chunk that is running."""
+        ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
+        self._ready = [o for o in self._ready if o.request_id not in ids]
+        for rid in ids:
+            req = self.scheduler.abort(rid)
+            if req is not None:
                 self._forget(rid)
+                if req.num_computed_tokens < req.num_prompt_tokens:
+                    log.info("request %s aborted during its prefill, after %d of %d prompt tokens",
+                             rid, req.num_computed_tokens, req.num_prompt_tokens)
 
     def release_kv(self, request_id: str) -> bool:
         """The consumer of a finished request's KV has it: the connector may
@@ -184,7 +226,7 @@ class LLMEngine:
         return bool(release(request_id)) if release is not None else False
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return bool(self._ready) or self.scheduler.has_unfinished()
 
     def _forget(self, request_id: str) -> None:
         self._detok.pop(request_id, None)
@@ -193,10 +235,11 @@ class LLMEngine:
 
     # ---- one step ------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        ready, self._ready = self._ready, []
         plan = self.scheduler.schedule()
-        self.last_step_empty = plan.is_empty  # e.g. every request waits on its KV fetch
+        self.last_step_empty = plan.is_empty and not ready  # e.g. every request waits on its KV fetch
         if plan.is_empty:
-            return []
+            return ready
         meta = plan.connector_meta
         if self.connector is not None and meta is not None:
             failed = self.connector.start_load(meta, self.runner.kv_caches)
@@ -213,10 +256,31 @@ class LLMEngine:
         if after_layer is not None:
             self.connector.wait_for_save()
         now = time.monotonic()
-        outputs = []
-        for s, token, logprob in zip(sampled, result.token_ids, result.logprobs):
-            outputs.append(self._append_and_check(s.request, token, logprob, now))
+        outputs = ready
+        for i, (s, token, logprob) in enumerate(zip(sampled, result.token_ids, result.logprobs)):
+            error = result.errors.get(i)
+            if error is None:
+                try:
+                    outputs.append(self._append_and_check(s.request, token, logprob, now))
+                    continue
+                except Exception as exc:  # detokenizing or a stop rule broke on this request alone
+                    log.exception("request %s failed after sampling", s.request.request_id)
+                    error = RequestFailedError(f"the engine failed this request: {exc!r}")
+                    error.caused_by_request = False
+            outputs.append(self._fail(s.request, error))
         return outputs
+
+    def _fail(self, req: Request, error: RequestFailedError) -> RequestOutput:
+        """Finish one request with an error; its blocks go back, the engine steps on."""
+        log.warning("request %s failed: %s", req.request_id, error)
+        if not req.is_finished:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        self._forget(req.request_id)
+        return RequestOutput(
+            request_id=req.request_id, new_token_ids=[], new_text="", new_logprobs=[], finished=True,
+            finish_reason=RequestStatus.FINISHED_ERROR.value, num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens, num_cached_tokens=req.num_cached_tokens,
+            num_external_tokens=req.num_external_tokens, error=error)
 
     def _count_prompt_tokens(self, s) -> None:
         req = s.request
@@ -229,9 +293,13 @@ class LLMEngine:
             self._prompt_computed += computed_prompt
 
     def _append_and_check(self, req: Request, token: int, logprob: Optional[TokenLogprob],
-                          now: float) -> RequestOutput:
+                          now: float, scheduled: bool = True) -> RequestOutput:
+        """Take one sampled token: stop rules, text delta, the output.
+        scheduled=False: a token sampled elsewhere, for a request not (yet) in
+        the scheduler; a stop then only marks it finished."""
         req.append_token(token, logprob)
-        self._generation_tokens += 1
+        if scheduled:  # a token sampled elsewhere counts as generated there
+            self._generation_tokens += 1
         if req.first_token_time is None:
             req.first_token_time = now
         params = req.params
@@ -240,7 +308,7 @@ class LLMEngine:
         if (token == req.eos_token_id and not params.ignore_eos
                 and req.num_output_tokens > params.min_tokens):
             status = RequestStatus.FINISHED_STOPPED
-        elif token in params.stop_token_ids and req.num_output_tokens > params.min_tokens:
+        elif req.num_output_tokens > params.min_tokens and token in req.stop_token_set:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
         stop_str = detok.add([token])
         if status is None and stop_str is not None:
@@ -248,7 +316,8 @@ class LLMEngine:
         if status is None and (req.num_output_tokens >= params.max_tokens
                                or req.num_tokens >= self.max_model_len):
             status = RequestStatus.FINISHED_LENGTH
-        first = self._pending_first.pop(req.request_id, False)
+        # A request's first step reports its prompt's block hashes (prefill's reply).
+        first = self._pending_first.pop(req.request_id, False) if scheduled else False
         hashes = [h.hex() for h in self.kv.block_hashes(req)[: req.num_prompt_tokens // self.kv.block_size]] if first else []
         finished = status is not None
         out = RequestOutput(
@@ -259,7 +328,10 @@ class LLMEngine:
             num_external_tokens=req.num_external_tokens, block_hashes=hashes,
             stop_reason=req.stop_reason)
         if finished:
-            self.scheduler.finish(req, status)
+            if scheduled:
+                self.scheduler.finish(req, status)
+            else:
+                req.status = status
             self._forget(req.request_id)
             out.kv_transfer_params = req.kv_transfer_params
         return out

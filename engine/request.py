@@ -8,6 +8,7 @@ transfer starts num_computed_tokens above zero, preemption resets it to zero.
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -20,15 +21,50 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"  # EOS, stop token or stop string
     FINISHED_LENGTH = "length"  # max_tokens or the model's context
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # the engine failed this request alone (RequestFailedError)
 
     @property
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
 class SamplingParamsError(ValueError):
-    """A sampling parameter is out of range; the message names the field."""
+    """A request parameter is out of range; the message names the field."""
+
+    @property
+    def field(self) -> str:
+        return str(self).split(":", 1)[0]
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed one request (and only it) while running it. `field`
+    names the parameter that caused it when one did; the engine keeps stepping."""
+
+    def __init__(self, message: str, field: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.field = field
+        # True: the request's own parameters or input caused it (a client
+        # error, HTTP 400); False: the engine broke on it (HTTP 500).
+        self.caused_by_request = True
+
+
+# Integer fields travel as protobuf int32/int64: a value outside them cannot
+# cross the wire, so it is refused here, where every entry validates.
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# The sampler computes in float32: a value that is a subnormal there (or
+# rounds to one on the wire) loses its precision and turns divisions into
+# infinities. Zero stays allowed where the field allows it.
+FLOAT32_TINY = 1.1754943508222875e-38
+
+
+def choice_seed(seed: Optional[int], index: int) -> Optional[int]:
+    """The seed of choice `index` of a request with n > 1: seed + index,
+    wrapped around within int64 so that it still fits the wire."""
+    if seed is None:
+        return None
+    return (seed + index - INT64_MIN) % 2**64 + INT64_MIN
 
 
 @dataclass
@@ -52,6 +88,12 @@ class SamplingParams:
 
     MAX_N = 16
     MAX_LOGPROBS = 20
+    MAX_STOP = 16
+    # Where the float32 sampler computes without overflow: logits (|x| < 1e4
+    # for any trained model) / penalty / temperature stay far below 3.4e38.
+    TEMPERATURE_RANGE = (0.0, 100.0)
+    REPETITION_PENALTY_RANGE = (0.01, 100.0)
+    OPENAI_PENALTY_RANGE = (-2.0, 2.0)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,35 +105,59 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     def validate(self) -> None:
+        """The one check of sampling parameters every entry runs (HTTP, gRPC,
+        the roles' internal calls, the offline LLM): raises
+        SamplingParamsError("<field>: <why>") for the first bad field."""
         def bad(name: str, why: str) -> None:
             raise SamplingParamsError(f"{name}: {why}")
 
-        if not (1 <= self.n <= self.MAX_N):
-            bad("n", f"must be between 1 and {self.MAX_N}, got {self.n}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
-        if not (0.0 <= self.temperature <= 100.0):
-            bad("temperature", f"must be between 0 and 100, got {self.temperature}")
-        if self.top_k < -1:
-            bad("top_k", f"must be -1, 0 (off) or positive, got {self.top_k}")
-        if not (0.0 < self.top_p <= 1.0):
-            bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not (0.0 <= self.min_p <= 1.0):
-            bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0.0:
-            bad("repetition_penalty", f"must be positive, got {self.repetition_penalty}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not (-2.0 <= getattr(self, name) <= 2.0):
-                bad(name, f"must be between -2 and 2, got {getattr(self, name)}")
-        if self.logprobs is not None and not (0 <= self.logprobs <= self.MAX_LOGPROBS):
-            bad("logprobs", f"must be between 0 and {self.MAX_LOGPROBS}, got {self.logprobs}")
-        if self.min_tokens < 0:
-            bad("min_tokens", f"must be non-negative, got {self.min_tokens}")
-        if any((not isinstance(s, str)) or s == "" for s in self.stop):
+        def integer(name: str, lo: int, hi: int, optional: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and optional:
+                return
+            if isinstance(value, bool) or not isinstance(value, int):
+                bad(name, f"must be an integer, got {value!r}")
+            if not lo <= value <= hi:
+                bad(name, f"must be between {lo} and {hi}, got {value}")
+
+        def real(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                bad(name, f"must be a number, got {value!r}")
+            value = float(value)
+            if not math.isfinite(value):
+                bad(name, f"must be a finite number, got {value}")
+            if value != 0.0 and abs(value) < FLOAT32_TINY:
+                bad(name, f"{value!r} is too close to zero to compute with (a float32 subnormal); "
+                          "use 0 or a value of normal size")
+            if not (lo < value <= hi if lo_open else lo <= value <= hi):
+                interval = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+                bad(name, f"must be in {interval}, got {value}")
+
+        integer("n", 1, self.MAX_N)
+        integer("max_tokens", 1, INT32_MAX, optional=True)
+        integer("min_tokens", 0, INT32_MAX)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        integer("top_k", -1, INT32_MAX)
+        integer("logprobs", 0, self.MAX_LOGPROBS, optional=True)
+        integer("seed", INT64_MIN, INT64_MAX, optional=True)
+        real("temperature", *self.TEMPERATURE_RANGE)
+        real("top_p", 0.0, 1.0, lo_open=True)
+        real("min_p", 0.0, 1.0)
+        real("repetition_penalty", *self.REPETITION_PENALTY_RANGE)
+        real("presence_penalty", *self.OPENAI_PENALTY_RANGE)
+        real("frequency_penalty", *self.OPENAI_PENALTY_RANGE)
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, f"must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.stop, list) or any((not isinstance(s, str)) or s == "" for s in self.stop):
             bad("stop", "must be a list of non-empty strings")
-        if len(self.stop) > 16:
-            bad("stop", "at most 16 stop strings")
-        if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
+        if len(self.stop) > self.MAX_STOP:
+            bad("stop", f"at most {self.MAX_STOP} stop strings")
+        if not isinstance(self.stop_token_ids, list) or any(
+                isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT32_MAX
+                for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of non-negative integers")
 
 
@@ -129,6 +195,8 @@ class Request:
         self.first_token_time: Optional[float] = None
         # Set by the connector: blocks loaded from outside must not be recomputed.
         self.kv_transfer_params: dict = {}
+        # Checked for every sampled token: a set, since a client may send the whole vocabulary.
+        self.stop_token_set = frozenset(params.stop_token_ids)
         self.decode_entry = None  # the scheduler's plan entry for this request's decode steps, reused
 
     # The unified progress rule: two numbers.

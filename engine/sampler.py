@@ -6,24 +6,40 @@ Order of processing: penalties -> min_tokens masking -> temperature -> top-k
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import math
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
 
-from tandem.engine.request import Request, TokenLogprob
+from tandem.engine.request import Request, RequestFailedError, SamplingParams, TokenLogprob
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class SampleResult:
     token_ids: list[int]
     logprobs: list[Optional[TokenLogprob]]
+    # Row -> why that request could not be sampled. Its token id is a
+    # placeholder; the engine fails the request alone and keeps stepping.
+    errors: dict[int, RequestFailedError] = field(default_factory=dict)
 
 
 def _plain_greedy(r: Request) -> bool:
     p = r.params
     return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty
             and not p.frequency_penalty and r.num_output_tokens >= p.min_tokens)
+
+
+def _sampling_fields(r: Request) -> str:
+    """The request's sampling parameters that differ from their defaults, for an error message."""
+    p = r.params
+    names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+             "frequency_penalty", "min_tokens")
+    given = [f"{n}={getattr(p, n)!r}" for n in names if getattr(p, n) != getattr(SamplingParams, n)]
+    return ", ".join(given) or "the defaults"
 
 
 class Sampler:
@@ -43,6 +59,7 @@ class Sampler:
         g = self._generators.get(request.request_id)
         if g is None:
             g = torch.Generator(device="cpu")
+            # manual_seed takes [-2**63, 2**64); every int64 seed fits.
             g.manual_seed(seed)
             self._generators[request.request_id] = g
         return g
@@ -53,15 +70,41 @@ class Sampler:
             # The common serving case: argmax where the logits are, move only ids.
             return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(requests))
         logits = logits.float().cpu()
+        try:
+            return self._sample(logits, requests)
+        except Exception:
+            if len(requests) == 1:
+                log.exception("sampling failed for request %s", requests[0].request_id)
+                return SampleResult([0], [None], {0: self._unexpected(requests[0])})
+        # Some row broke the batch: sample row by row so only its request fails.
+        out = SampleResult([], [])
+        for i, r in enumerate(requests):
+            try:
+                one = self._sample(logits[i:i + 1], [r])
+            except Exception:
+                log.exception("sampling failed for request %s", r.request_id)
+                one = SampleResult([0], [None], {0: self._unexpected(r)})
+            out.token_ids += one.token_ids
+            out.logprobs += one.logprobs
+            if one.errors:
+                out.errors[i] = one.errors[0]
+        return out
+
+    @staticmethod
+    def _unexpected(r: Request) -> RequestFailedError:
+        return RequestFailedError(f"sampling failed with this request's parameters ({_sampling_fields(r)})")
+
+    def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> SampleResult:
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = self._apply_penalties(logits, requests)
-        self._mask_early_stop(logits, requests)
-        tokens = self._draw(logits, requests)
+        masked = self._mask_early_stop(logits, requests)
+        errors = self._check_rows(logits, requests, masked)
+        tokens = self._draw(logits, requests, errors)
         logprobs: list[Optional[TokenLogprob]] = []
         for i, (r, t) in enumerate(zip(requests, tokens)):
-            if r.params.logprobs is None:
+            if r.params.logprobs is None or i in errors:
                 logprobs.append(None)
                 continue
             row = raw_logprobs[i]
@@ -70,7 +113,27 @@ class Sampler:
                 values, ids = torch.topk(row, r.params.logprobs)
                 top = dict(zip(ids.tolist(), values.tolist()))
             logprobs.append(TokenLogprob(t, float(row[t]), top))
-        return SampleResult(tokens, logprobs)
+        return SampleResult(tokens, logprobs, errors)
+
+    def _check_rows(self, logits: torch.Tensor, requests: Sequence[Request],
+                    masked: set[int]) -> dict[int, RequestFailedError]:
+        """Rows no token can be drawn from: a NaN or +inf anywhere (penalties
+        out of float32's reach), or every token at -inf (min_tokens banning
+        the whole vocabulary through stop_token_ids and EOS)."""
+        broken = (torch.isnan(logits) | torch.isposinf(logits)).any(dim=1)
+        empty = torch.isneginf(logits).all(dim=1)
+        errors: dict[int, RequestFailedError] = {}
+        for i in (broken | empty).nonzero().flatten().tolist():
+            r = requests[i]
+            if bool(empty[i]) and i in masked:
+                errors[i] = RequestFailedError(
+                    "min_tokens: while it holds, stop_token_ids and EOS ban every token of the "
+                    "vocabulary, so no token can be sampled", field="min_tokens")
+            else:
+                errors[i] = RequestFailedError(
+                    f"sampling: this request's parameters ({_sampling_fields(r)}) left no finite "
+                    "token probability; use values of ordinary size")
+        return errors
 
     def _apply_penalties(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         for i, r in enumerate(requests):
@@ -89,7 +152,9 @@ class Sampler:
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
         return logits
 
-    def _mask_early_stop(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    def _mask_early_stop(self, logits: torch.Tensor, requests: Sequence[Request]) -> set[int]:
+        """-inf for stop tokens and EOS while min_tokens holds; returns the rows masked."""
+        masked = set()
         for i, r in enumerate(requests):
             if r.num_output_tokens >= r.params.min_tokens:
                 continue
@@ -99,16 +164,26 @@ class Sampler:
             banned = [t for t in banned if t < self.vocab_size]
             if banned:
                 logits[i, banned] = float("-inf")
+                masked.add(i)
+        return masked
 
-    def _draw(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+    def _draw(self, logits: torch.Tensor, requests: Sequence[Request],
+              errors: dict[int, RequestFailedError]) -> list[int]:
         greedy = [r.params.greedy for r in requests]
         tokens = logits.argmax(dim=-1).tolist()
         if all(greedy):
             return tokens
         for i, r in enumerate(requests):
-            if greedy[i]:
+            if greedy[i] or i in errors:
                 continue
             probs = self._filtered_probs(logits[i], r)
+            total = float(probs.sum())
+            if not math.isfinite(total) or total <= 0.0 or not bool(torch.isfinite(probs).all()):
+                # Finite logits can still overflow once divided by the temperature.
+                errors[i] = RequestFailedError(
+                    f"sampling: this request's parameters ({_sampling_fields(r)}) left no finite "
+                    "token probability; use values of ordinary size")
+                continue
             tokens[i] = int(torch.multinomial(probs, 1, generator=self._generator(r)))
         return tokens
 

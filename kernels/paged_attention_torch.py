@@ -37,6 +37,12 @@ def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: i
     return k, v
 
 
+# Queries per attention call in a prefill: the scores of one call are
+# [heads, QUERY_TILE, context], so a step's memory stays bounded by the token
+# budget and the context, not by the square of the prompt's length.
+QUERY_TILE = 256
+
+
 def paged_attention_torch(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                           scale: float) -> torch.Tensor:
     """Attention of query [num_tokens, num_heads, head_dim] over the paged cache.
@@ -55,15 +61,21 @@ def paged_attention_torch(query: torch.Tensor, kv_cache: torch.Tensor, meta: Att
         if q_len == 0 or seq_len == 0:
             continue
         k, v = gather_context(kv_cache, meta.block_tables[i], seq_len)
-        q = query[qs:qe].transpose(0, 1).float()  # [H, q_len, D]
         k = k.transpose(0, 1).float().repeat_interleave(group, dim=0)  # [H, L, D]
         v = v.transpose(0, 1).float().repeat_interleave(group, dim=0)
-        mask = None
-        if q_len > 1:
-            positions = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
-            mask = torch.arange(seq_len, device=query.device).unsqueeze(0) <= positions  # [q_len, L]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        out[qs:qe] = o.transpose(0, 1).to(query.dtype)
+        first_position = seq_len - q_len  # of query qs
+        for ts in range(0, q_len, QUERY_TILE):
+            te = min(q_len, ts + QUERY_TILE)
+            q = query[qs + ts:qs + te].transpose(0, 1).float()  # [H, tile, D]
+            # Causal: the tile sees keys up to its last query's position.
+            visible = first_position + te
+            mask = None
+            if te - ts > 1:
+                positions = torch.arange(first_position + ts, visible, device=query.device).unsqueeze(1)
+                mask = torch.arange(visible, device=query.device).unsqueeze(0) <= positions  # [tile, visible]
+            o = F.scaled_dot_product_attention(q, k[:, :visible], v[:, :visible], attn_mask=mask,
+                                               scale=scale)
+            out[qs + ts:qs + te] = o.transpose(0, 1).to(query.dtype)
     return out
 
 

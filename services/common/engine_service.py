@@ -10,13 +10,15 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Optional
 
 import grpc
 
-from tandem.services.common.config import add_flag
+from tandem.services.common.config import add_flag, config_error
+from tandem.services.common.engine_protocol import ADMITTED_METADATA
 from tandem.services.common.grpc_server import add_tls_arguments, tls_from_args
 from tandem.v1 import common_pb2
 
@@ -48,8 +50,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, role: str, default_
     add_flag(parser, "--block-size", type=int, default=16, help="tokens per KV block")
     add_flag(parser, "--num-blocks", type=int, default=None,
              help="KV blocks in the local cache; unset: sized from memory")
-    add_flag(parser, "--max-num-batched-tokens", type=int, default=8192,
-             help="token budget of one engine step")
+    add_flag(parser, "--max-num-batched-tokens", type=int, default=None,
+             help="token budget of one engine step (prompts longer than it prefill in chunks; an "
+                  "aborted prompt stops computing within one); unset: 8192 on CUDA, 2048 on the CPU")
     add_flag(parser, "--max-num-seqs", type=int, default=256,
              help="most requests running at once")
     add_flag(parser, "--policy", default="fifo", choices=["fifo", "srtf"],
@@ -159,10 +162,16 @@ def load_from_stats(stats) -> common_pb2.Load:
         num_total_blocks=stats.num_total_blocks)
 
 
+# A service whose engine loop died exits with this status, for its supervisor
+# (`tandem up`, Kubernetes) to restart it.
+ENGINE_DIED_EXIT_CODE = 3
+
+
 class EngineServicer:
     """What the prefill and decode servicers share: their engine, metrics and
-    admission, and the Abort and GetLoad calls. Listed first among a
-    servicer's bases, so these methods replace the generated UNIMPLEMENTED ones."""
+    admission, the mapping of engine errors to gRPC codes, and the Abort and
+    GetLoad calls. Listed first among a servicer's bases, so these methods
+    replace the generated UNIMPLEMENTED ones."""
 
     def __init__(self, engine, metrics: "EngineMetrics", admission: "Admission") -> None:
         self.engine = engine
@@ -175,6 +184,40 @@ class EngineServicer:
 
     async def GetLoad(self, request: common_pb2.LoadRequest, context) -> common_pb2.Load:
         return load_from_stats(self.engine.stats())
+
+    async def refuse_if_dead(self, context) -> None:
+        """Before admission: a dead engine says UNAVAILABLE, which the router
+        may retry elsewhere (the request never reached it)."""
+        if not self.engine.is_alive:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"this instance's engine has stopped ({self.engine.error!r}); it is "
+                                "restarting")
+
+    @contextlib.asynccontextmanager
+    async def running(self, context, timer: "RequestTimer", num_prompt_tokens: int):
+        """Around one admitted request: tells the caller it was admitted, turns
+        engine errors into gRPC statuses, and counts a request whose caller
+        left as finished with reason "abort"."""
+        from tandem.engine import EngineDeadError, RequestFailedError, SamplingParamsError
+
+        await context.send_initial_metadata(ADMITTED_METADATA)
+        try:
+            yield
+        except SamplingParamsError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RequestFailedError as exc:
+            self.metrics.finish_request(timer, "error", num_prompt_tokens)
+            code = grpc.StatusCode.INVALID_ARGUMENT if exc.caused_by_request else grpc.StatusCode.INTERNAL
+            await context.abort(code, str(exc))
+        except EngineDeadError as exc:
+            self.metrics.finish_request(timer, "error", num_prompt_tokens)
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"this instance's engine failed while running the request ({exc}); "
+                                "retry shortly")
+        except (asyncio.CancelledError, GeneratorExit):
+            # The caller went away (client disconnect, router abort).
+            self.metrics.finish_request(timer, "abort", num_prompt_tokens)
+            raise
 
 
 # --- metrics --------------------------------------------------------------------
@@ -222,7 +265,7 @@ class EngineMetrics:
             self._labelled(name, **extra)
         for name in ("REQUESTS_REJECTED", "GENERATION_TOKENS", "PROMPT_TOKENS"):
             self._labelled(name)
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "error"):
             self._labelled("REQUEST_SUCCESS", finished_reason=reason)
 
     def _labelled(self, name: str, **extra):
@@ -338,42 +381,81 @@ async def wait_for_shutdown_signal() -> str:
 async def run_engine_service(args: argparse.Namespace, *, role: str, kv_role: str,
                              add_servicers) -> int:
     """Load the engine, serve gRPC + /metrics, print the listening line, run until
-    SIGINT/SIGTERM, then stop gracefully.
+    SIGINT/SIGTERM or until the engine dies, then stop.
 
     `add_servicers(server, engine, metrics, admission)` registers the role's
     servicer and returns the full service names (for health and reflection).
 
     SIGTERM drains: health turns NOT_SERVING (routers stop sending), new calls
     are refused, in-flight ones get --shutdown-timeout seconds to finish.
+    An engine whose loop died turns health NOT_SERVING at once (its in-flight
+    calls have already failed with UNAVAILABLE) and the process exits with
+    ENGINE_DIED_EXIT_CODE, so `tandem up` or Kubernetes restarts it: a process
+    that answers health checks but cannot serve is the worst kind of failure.
     """
     from tandem.engine import AsyncLLMEngine
+    from tandem.engine.loader import ModelNotFoundError
     from tandem.services.common.aio_server import start_aio_grpc_server
     from tandem.services.common.metrics import start_metrics_server
 
     t0 = time.monotonic()
+    loop = asyncio.get_running_loop()
+    died: asyncio.Future = loop.create_future()
+
+    def on_death(exc: BaseException) -> None:  # on the engine thread
+        loop.call_soon_threadsafe(lambda: died.done() or died.set_result(exc))
+
     # Created on the serving loop: the engine hands results back to the loop
     # that awaits them. Loading blocks the loop, but nothing else runs yet.
-    engine = AsyncLLMEngine(build_engine_config(args, kv_role))
+    try:
+        engine = AsyncLLMEngine(build_engine_config(args, kv_role), on_death=on_death)
+    except ModelNotFoundError as exc:
+        config_error(f"--model: {exc}")
     log.info("%s: model %s loaded in %.1fs", role, engine.model_id, time.monotonic() - t0)
     metrics = EngineMetrics(engine, role)
-    start_metrics_server(args.metrics_port)
+    start_metrics_server(args.metrics_port, host=args.host)
     poller = asyncio.create_task(metrics.poll_forever())
     admission = Admission(args.max_num_seqs + args.max_queued_requests, metrics)
     server = await start_aio_grpc_server(lambda s: add_servicers(s, engine, metrics, admission),
                                          args.host, args.port, tls=tls_from_args(args))
+    if os.environ.get(FAULT_HOOKS_ENV) == "1":
+        _install_fault_hook(engine, role)
     if args.metrics_port:
         print(f"{role} metrics on http://{args.host}:{args.metrics_port}/metrics", flush=True)
     # The launcher and tests wait for exactly this line.
     print(f"{role} listening on {args.host}:{server.port}", flush=True)
+    signalled = asyncio.ensure_future(wait_for_shutdown_signal())
+    code, grace_s = 0, args.shutdown_timeout
     try:
-        sig = await wait_for_shutdown_signal()
-        log.info("%s: %s received; draining %d in-flight request(s) for up to %.0fs", role, sig,
-                 admission.in_flight, args.shutdown_timeout)
+        await asyncio.wait({signalled, died}, return_when=asyncio.FIRST_COMPLETED)
+        if died.done():
+            code = ENGINE_DIED_EXIT_CODE
+            await server.set_serving(False)
+            log.error("%s: the engine loop died (%r); health is NOT_SERVING, exiting with status %d "
+                      "for the supervisor to restart this instance", role, died.result(), code)
+            grace_s = 1.0  # the failed calls' statuses are already on their way
+        else:
+            log.info("%s: %s received; draining %d in-flight request(s) for up to %.0fs", role,
+                     signalled.result(), admission.in_flight, args.shutdown_timeout)
     finally:
+        signalled.cancel()
         poller.cancel()
-        await server.stop(grace_s=args.shutdown_timeout)
+        await server.stop(grace_s=grace_s)
         engine.shutdown()
-    return 0
+    return code
+
+
+# Test-only: with TANDEM_FAULT_HOOKS=1 in its environment, an engine service
+# kills its own engine loop on SIGUSR1, as a real engine failure would.
+FAULT_HOOKS_ENV = "TANDEM_FAULT_HOOKS"
+
+
+def _install_fault_hook(engine, role: str) -> None:
+    import signal
+
+    log.warning("%s: %s=1: SIGUSR1 kills this engine's loop (fault tests only)", role, FAULT_HOOKS_ENV)
+    asyncio.get_running_loop().add_signal_handler(
+        signal.SIGUSR1, lambda: engine.inject_fault("SIGUSR1 fault hook"))
 
 
 def run_main(add_arguments, serve, description: str) -> None:

@@ -33,30 +33,33 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
         if not request.prompt_token_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "prompt_token_ids: must contain at least one token")
-        async with self.admission.admit(context):
-            async for reply in self._decode(request, params, context):
-                yield reply
-
-    async def _decode(self, request: decode_pb2.DecodeRequest, params, context):
-        from tandem.engine import SamplingParamsError
-
-        first = list(request.first_token_ids) or None
         kv_transfer_params = None
         if request.HasField("kv_handle"):
             try:
                 kv_transfer_params = handle_from_proto(request.kv_handle)
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        await self.refuse_if_dead(context)
+        async with self.admission.admit(context):
+            async for reply in self._decode(request, params, kv_transfer_params, context):
+                yield reply
+
+    async def _decode(self, request: decode_pb2.DecodeRequest, params, kv_transfer_params, context):
+        # Tokens prefill sampled: this engine detokenizes them and applies the
+        # stop rules to them; its first message carries them with their text.
+        first = list(request.first_token_ids) or None
         timer = self.metrics.start_request()
         last = None
-        try:
+        async with self.running(context, timer, len(request.prompt_token_ids)):
             # Cancelling this handler (the router's call cancelled) closes the
             # generator, which aborts the request in the engine.
             async for out in self.engine.generate(request.request_id, list(request.prompt_token_ids),
                                                   params, first_token_ids=first,
                                                   kv_transfer_params=kv_transfer_params):
+                # Tokens prefill sampled (in the first output) were counted as generated there.
+                generated = len(out.new_token_ids) - (len(first or ()) if last is None else 0)
                 last = out
-                self.metrics.on_tokens(timer, len(out.new_token_ids))
+                self.metrics.on_tokens(timer, generated)
                 yield decode_pb2.DecodeResponse(
                     token_ids=out.new_token_ids, text=out.new_text,
                     logprobs=[logprob_to_proto(lp) for lp in out.new_logprobs],
@@ -64,8 +67,6 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
                     num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
                     num_cached_tokens=out.num_cached_tokens,
                     num_external_tokens=out.num_external_tokens)
-        except SamplingParamsError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if last is not None and last.finished:
             self.metrics.finish_request(timer, last.finish_reason, last.num_prompt_tokens)
 

@@ -39,35 +39,29 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
         if not request.prompt_token_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "prompt_token_ids: must contain at least one token")
+        await self.refuse_if_dead(context)
         async with self.admission.admit(context):
             return await self._prefill(request, params, context)
 
     async def _prefill(self, request: prefill_pb2.PrefillRequest, params, context):
-        from tandem.engine import SamplingParamsError
-
         timer = self.metrics.start_request()
         reply = prefill_pb2.PrefillResponse()
         last = None
-        first_token = None
-        try:
+        async with self.running(context, timer, len(request.prompt_token_ids)):
             # Cancelling this handler (the router's call cancelled) closes the
             # generator, which aborts the request in the engine.
             async for out in self.engine.generate(request.request_id, list(request.prompt_token_ids),
                                                   params):
                 last = out
-                if out.new_token_ids and first_token is None:
-                    first_token = out.new_token_ids[0]
-                    self.metrics.on_tokens(timer, 1)
-                reply.text += out.new_text
                 if out.new_logprobs:
                     reply.logprob.CopyFrom(logprob_to_proto(out.new_logprobs[0]))
-        except SamplingParamsError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if last is None or first_token is None or not last.finished or last.finish_reason == "abort":
+        if last is None or not last.new_token_ids or not last.finished or last.finish_reason == "abort":
             await context.abort(grpc.StatusCode.ABORTED, f"request {request.request_id} was aborted")
+        self.metrics.on_tokens(timer, 1)
         self.metrics.finish_request(timer, last.finish_reason, last.num_prompt_tokens)
-        reply.first_token_id = first_token
-        reply.finish_reason = "stop" if last.finish_reason == "stop" else ""
+        # Token ids only: the decode engine turns them into text and applies
+        # the stop rules, so the text equals a colocated engine's.
+        reply.first_token_id = last.new_token_ids[0]
         reply.block_hashes.extend(last.block_hashes)
         reply.num_prompt_tokens = last.num_prompt_tokens
         reply.num_cached_tokens = last.num_cached_tokens

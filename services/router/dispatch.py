@@ -1,17 +1,26 @@
 """One choice of one request through the tiers: prefill (unless the prompt is
 short or no prefill instance is up), then decode, streaming deltas back.
 
-Failure handling, in order of preference:
-- a prefill instance that fails is taken out and the prompt goes to another;
-  with none left, decode prefills the prompt itself;
-- a decode instance that fails before its first message is taken out and the
-  request goes to another; one that fails mid-stream ends the choice with a
-  DispatchError (the client has seen tokens; they cannot be taken back);
-- an instance whose queue is full (RESOURCE_EXHAUSTED) stays in the pool and
-  the request tries the next one; a full prefill tier means decode prefills,
-  a full decode tier is a RESOURCE_EXHAUSTED for the client (HTTP 429), except
-  after prefill, when the client already has a token: then the request waits
-  up to decode_queue_wait_s for room;
+Prefill answers with the first token's id (and logprob) only; the decode
+engine detokenizes it with the rest and applies every stop rule, so the text
+through prefill -> decode is exactly a colocated engine's.
+
+Failure handling. A call is retried on another instance only when the request
+never reached an engine there: the engine sends ADMITTED_METADATA once it
+has taken a request in, and a call that failed without it (connection
+refused, a draining or dead engine, a full queue) is safe to send on. A
+request that an engine took and then failed on is not sent to the next one:
+whatever it did to that engine it could do to every other (a poison request
+must cost one engine at most, and with failure isolation in the engine, none).
+- a prefill instance that refuses (unreachable, draining, dead) is taken out
+  and the prompt goes to another; with none left, decode prefills the prompt
+  itself; a full one (RESOURCE_EXHAUSTED) stays in the pool;
+- the same for decode before it took the request; a full decode tier is a
+  RESOURCE_EXHAUSTED for the client (HTTP 429), except after prefill, when
+  the request waits up to decode_queue_wait_s for room;
+- a failure after admission ends the choice with a DispatchError: an engine
+  failure is UNAVAILABLE (HTTP 503 with Retry-After), a bad request
+  INVALID_ARGUMENT (400);
 - closing or cancelling the generator cancels the gRPC calls, which aborts the
   request in the engines.
 """
@@ -25,6 +34,7 @@ from typing import AsyncIterator, Optional, Sequence
 
 import grpc
 
+from tandem.services.common.engine_protocol import ADMITTED_METADATA
 from tandem.services.router.backends import INSTANCE_FAILURES, BackendPool, Instance
 from tandem.services.router.policies import Policy, RouteRequest
 from tandem.services.router.telemetry import RouterTelemetry
@@ -35,6 +45,7 @@ log = logging.getLogger(__name__)
 # gRPC code -> HTTP status, for errors the router passes on to clients.
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.INTERNAL: 500,  # an engine broke on this request alone (not retried)
     grpc.StatusCode.OUT_OF_RANGE: 400,
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
@@ -60,6 +71,15 @@ class DispatchError(Exception):
     def from_rpc(cls, role: str, target: str, exc: grpc.aio.AioRpcError) -> "DispatchError":
         if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
             return cls(exc.details() or "invalid request", exc.code())
+        if exc.code() == grpc.StatusCode.CANCELLED:
+            # The router's own cancellations surface as asyncio.CancelledError,
+            # never as an AioRpcError: this one came from the instance. Its gRPC
+            # server cancels calls it has no room to take in (more than
+            # grpc.server.max_pending_requests, 1000 by default, waiting for the
+            # servicer) or that it drops as it stops. The instance is overloaded
+            # or going away, the request is fine: tell the client to retry.
+            return cls(f"{role} instance {target} is overloaded: it shed the call (CANCELLED); "
+                       "retry shortly", grpc.StatusCode.RESOURCE_EXHAUSTED)
         return cls(f"{role} instance {target} failed: {exc.code().name}: {exc.details()}", exc.code())
 
 
@@ -123,32 +143,26 @@ class Dispatcher:
                         route: RouteRequest, reply: Optional[prefill_pb2.PrefillResponse],
                         held: Optional["_HeldKV"]) -> AsyncIterator[Delta]:
         first: list[int] = []
+        first_logprobs: list[common_pb2.TokenLogprob] = []
         cached: Optional[int] = None
         if reply is not None:
             first = [reply.first_token_id]
+            if reply.HasField("logprob"):
+                first_logprobs = [reply.logprob]
             cached = reply.num_cached_tokens + reply.num_external_tokens
-            finish = None
-            if reply.finish_reason == "stop":
-                finish = "stop"
-            elif params.HasField("max_tokens") and params.max_tokens <= 1:
-                finish = "length"
-            yield Delta(token_ids=first, text=reply.text,
-                        logprobs=[reply.logprob] if reply.HasField("logprob") else [],
-                        finish_reason=finish, num_prompt_tokens=len(prompt), num_output_tokens=1,
-                        num_cached_tokens=cached)
-            if finish:
-                return
-        num_output = len(first)
         kv_handle = reply.kv_handle if held is not None else None
         async for msg in self._decode(request_id, prompt, first, params, route, kv_handle):
             if held is not None:
                 held.release()
-            num_output += len(msg.token_ids)
-            delta = Delta(token_ids=list(msg.token_ids), text=msg.text, logprobs=list(msg.logprobs))
+            # Decode's first message carries the prefill's tokens (their text
+            # and stop rules are decode's); their logprobs come from prefill.
+            delta = Delta(token_ids=list(msg.token_ids), text=msg.text,
+                          logprobs=first_logprobs + list(msg.logprobs))
+            first_logprobs = []
             if msg.finish_reason:
                 delta.finish_reason = msg.finish_reason
-                delta.num_prompt_tokens = len(prompt)
-                delta.num_output_tokens = num_output
+                delta.num_prompt_tokens = msg.num_prompt_tokens or len(prompt)
+                delta.num_output_tokens = msg.num_output_tokens
                 delta.num_cached_tokens = (cached if cached is not None
                                            else msg.num_cached_tokens + msg.num_external_tokens)
             yield delta
@@ -172,12 +186,8 @@ class Dispatcher:
             try:
                 return await instance.stub.Prefill(request, timeout=self.prefill_timeout_s), instance
             except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    continue  # full, not broken: try the next one
-                if exc.code() not in INSTANCE_FAILURES:
+                if not self._may_retry(self.prefill, instance, exc):
                     raise DispatchError.from_rpc("prefill", instance.target, exc) from None
-                self.telemetry.backend_failed("prefill", instance.target)
-                self.prefill.mark_failed(instance, f"{exc.code().name}: {exc.details()}")
             finally:
                 instance.outstanding_tokens -= len(prompt)
                 instance.in_flight -= 1
@@ -196,8 +206,8 @@ class Dispatcher:
             if not candidates and full:
                 self._decode_full_until = time.monotonic() + DECODE_FULL_HOLD_S
             if not candidates and full and first and time.monotonic() < deadline:
-                # The client already has the prefill's token, so a 429 is no longer
-                # possible: wait for a decode queue to make room, then try them again.
+                # Prefill already ran for this request: wait for a decode queue to
+                # make room rather than throw that work away, then try them again.
                 await asyncio.sleep(0.25)
                 tried.clear()
                 full = 0
@@ -219,21 +229,51 @@ class Dispatcher:
                     yield msg
                 return
             except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not streamed:
+                if exc.code() in _FULL and not _admitted(exc):
                     full += 1
                     continue  # full, not broken: try the next one
-                if exc.code() not in INSTANCE_FAILURES:
+                if not self._may_retry(self.decode, instance, exc):
+                    if streamed and exc.code() in INSTANCE_FAILURES:
+                        raise DispatchError(f"decode instance {instance.target} failed mid-stream: "
+                                            f"{exc.code().name}: {exc.details()}") from None
                     raise DispatchError.from_rpc("decode", instance.target, exc) from None
-                self.telemetry.backend_failed("decode", instance.target)
-                self.decode.mark_failed(instance, f"{exc.code().name}: {exc.details()}")
-                if streamed:
-                    raise DispatchError(f"decode instance {instance.target} failed mid-stream: "
-                                        f"{exc.code().name}: {exc.details()}") from None
             finally:
                 instance.in_flight -= 1
                 # No-op when the call ended; otherwise (client gone, generator
                 # closed) it cancels the RPC and so aborts the request in decode.
                 call.cancel()
+
+
+    def _may_retry(self, pool: BackendPool, instance: Instance, exc: grpc.aio.AioRpcError) -> bool:
+        """After a failed call: may the request go to another instance? Takes
+        the instance out of the pool where the failure says it is unusable."""
+        code, admitted = exc.code(), _admitted(exc)
+        if code in _FULL and not admitted:
+            return True  # full, not broken: it stays in the pool
+        if code not in INSTANCE_FAILURES:
+            return False  # the request's own fault (bad argument), or cancelled
+        if code == grpc.StatusCode.UNAVAILABLE:
+            # Unreachable, draining, or its engine died: out until a health check passes.
+            self.telemetry.backend_failed(pool.role, instance.target)
+            pool.mark_failed(instance, f"{code.name}: {exc.details()}")
+        retry = code == grpc.StatusCode.UNAVAILABLE and not admitted
+        self.telemetry.instance_error(pool.role, retried=retry)
+        if not retry:
+            log.warning("%s instance %s failed a request%s (%s: %s); not sending it elsewhere",
+                        pool.role, instance.target, " it had taken in" if admitted else "",
+                        code.name, exc.details())
+        return retry
+
+
+# An instance too busy to take a call: its queue is full (RESOURCE_EXHAUSTED),
+# or gRPC itself shed the call before a handler took it (a server-sent
+# CANCELLED; the router's own cancellations surface as asyncio.CancelledError).
+_FULL = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED})
+
+
+def _admitted(exc: grpc.aio.AioRpcError) -> bool:
+    """Did the engine take the request in before the call failed?"""
+    return any(item == ADMITTED_METADATA[0] for item in (exc.initial_metadata() or ()))
 
 
 class _HeldKV:

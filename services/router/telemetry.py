@@ -10,9 +10,9 @@ from typing import Optional
 
 # The statuses a client commonly gets: HTTP codes from the gateway, gRPC code
 # names from the public gRPC API.
-INITIAL_STATUSES = ("200", "400", "401", "404", "413", "429", "499", "500", "502", "503", "504",
-                    "OK", "INVALID_ARGUMENT", "NOT_FOUND", "UNAUTHENTICATED", "RESOURCE_EXHAUSTED",
-                    "CANCELLED", "UNAVAILABLE", "DEADLINE_EXCEEDED")
+INITIAL_STATUSES = ("200", "400", "401", "404", "408", "413", "429", "499", "500", "502", "503",
+                    "504", "OK", "INVALID_ARGUMENT", "NOT_FOUND", "UNAUTHENTICATED",
+                    "RESOURCE_EXHAUSTED", "CANCELLED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "INTERNAL")
 
 
 class RouterTelemetry:
@@ -29,6 +29,8 @@ class RouterTelemetry:
         self._labelled("ROUTER_REQUESTS_IN_FLIGHT")
         for role in ("prefill", "decode"):
             self._labelled("ROUTER_HEALTHY_INSTANCES", target_role=role)
+            for outcome in ("retried", "failed"):
+                self._labelled("ROUTER_INSTANCE_ERRORS", target_role=role, outcome=outcome)
 
     def _labelled(self, name: str, **extra):
         return getattr(self._m, name).labels(**self._labels, **extra)
@@ -36,11 +38,16 @@ class RouterTelemetry:
     def backend_failed(self, target_role: str, instance: str) -> None:
         self._labelled("ROUTER_BACKEND_FAILURES", target_role=target_role, backend=instance).inc()
 
+    def instance_error(self, target_role: str, retried: bool) -> None:
+        self._labelled("ROUTER_INSTANCE_ERRORS", target_role=target_role,
+                       outcome="retried" if retried else "failed").inc()
+
     def healthy_instances(self, target_role: str, count: int) -> None:
         self._labelled("ROUTER_HEALTHY_INSTANCES", target_role=target_role).set(count)
 
     def refused(self, status: str) -> None:
-        """A request answered before it started (no key, router full)."""
+        """A request answered before it started: no key, router full, a body too
+        large, too slow or never finished."""
         self._labelled("ROUTER_REQUESTS", status=status).inc()
 
     def routed(self, target_role: str, instance: str) -> None:

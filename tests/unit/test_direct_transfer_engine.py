@@ -70,8 +70,9 @@ def decode_after(prefill_engine: LLMEngine, decode_engine: LLMEngine, prompt=PRO
     params = out.kv_transfer_params
     if release_first:
         assert prefill_engine.release_kv("r1")
-    rest, _ = run(decode_engine, "r1", prompt, MAX_NEW, first_token_ids=first, kv_transfer_params=params)
-    return first + rest, params
+    tokens, _ = run(decode_engine, "r1", prompt, MAX_NEW, first_token_ids=first, kv_transfer_params=params)
+    assert tokens[:1] == first, "decode's first output carries the token prefill sampled"
+    return tokens, params
 
 
 def test_decode_copies_the_prefills_blocks_and_answers_the_same(model_dir, prefill, reference):
@@ -98,8 +99,8 @@ def test_a_block_reused_before_the_copy_is_recomputed(model_dir, prefill, refere
     prefill.release_kv("r1")
     run(prefill, "other", OTHER, 1)  # 12 blocks in all: this one needs the released blocks
     decode = engine(model_dir, "direct", "consumer")
-    rest, _ = run(decode, "r1", PROMPT, MAX_NEW, first_token_ids=first, kv_transfer_params=params)
-    assert first + rest == reference
+    tokens, _ = run(decode, "r1", PROMPT, MAX_NEW, first_token_ids=first, kv_transfer_params=params)
+    assert tokens == reference
     stats = decode.stats()
     assert stats.recompute_fallbacks == 1 and stats.kv_load_blocks == 0
     assert stats.prompt_tokens_computed == len(PROMPT)
@@ -122,9 +123,9 @@ def test_a_cache_that_cannot_be_used_is_computed_around(model_dir, prefill, refe
     else:
         handle = dataclasses.replace(handle, model="another-model|torch.float32")
     decode = engine(model_dir, "direct", "consumer")
-    rest, _ = run(decode, "r1", PROMPT, MAX_NEW, first_token_ids=first,
-                  kv_transfer_params={HANDLE_KEY: handle})
-    assert first + rest == reference
+    tokens, _ = run(decode, "r1", PROMPT, MAX_NEW, first_token_ids=first,
+                    kv_transfer_params={HANDLE_KEY: handle})
+    assert tokens == reference
     assert decode.stats().recompute_fallbacks == 1 and decode.stats().kv_load_blocks == 0
 
 
