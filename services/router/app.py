@@ -3,6 +3,10 @@
 
 Every error is OpenAI's error JSON with a status that says whose fault it was;
 a client that goes away aborts its request in every tier.
+
+A request takes an in-flight slot (--max-in-flight) only once its whole body
+has arrived, and the body must arrive within --body-read-timeout: clients
+that send slowly hold connections, never slots.
 """
 from __future__ import annotations
 
@@ -10,19 +14,21 @@ import asyncio
 import hmac
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable, Optional
 
-import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from tandem.services.router.backends import BackendPool
 from tandem.services.router.dispatch import Delta, DispatchError, merge_choices
 from tandem.services.router.frontend import Frontend, InvalidRequest, new_request_id
 from tandem.services.router.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                                     LogprobFormatter, error_body, now, usage_body)
+from tandem.services.router.prompts import Prepared
 from tandem.services.router.telemetry import RequestClock, RouterTelemetry
 
 log = logging.getLogger(__name__)
@@ -35,6 +41,11 @@ class GatewayConfig:
     api_keys: list[str] = field(default_factory=list)  # empty: no auth
     max_body_bytes: int = 4 * 1024 * 1024
     max_in_flight: int = 1024  # requests beyond it get 429 with Retry-After
+    body_read_timeout_s: float = 30.0  # a body not in by then gets 408
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its answer was ready."""
 
 
 def _error(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
@@ -47,15 +58,10 @@ def _error(status: int, message: str, param: Optional[str] = None, code: Optiona
     return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
-def _validation_message(exc: pydantic.ValidationError) -> tuple[str, Optional[str]]:
-    first = exc.errors()[0]
-    loc = [str(p) for p in first.get("loc", ())]
-    if first.get("type") == "json_invalid":
-        return f"The body is not valid JSON: {first.get('msg')}", None
-    # Union members add their type name to loc; keep only the field path.
-    path = ".".join(p for p in loc if not p[0].isupper() and "[" not in p and p not in
-                    ("str", "list", "int", "function-after"))
-    return f"{path or 'body'}: {first.get('msg')}", path or None
+# An answer sent before the request's body was read: the connection cannot
+# carry another request (the rest of the body is still coming), so close it.
+_CLOSE = {"Connection": "close"}
+_RETRY = {"Retry-After": "1"}
 
 
 class _RequireAPIKey:
@@ -125,39 +131,66 @@ def create_app(frontend: Frontend, telemetry: RouterTelemetry, pools: dict[str, 
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):
-        log.exception("unhandled error on %s", request.url.path)
+        # The /v1 routes answer their own errors (handle() below); only the
+        # others get here. Starlette re-raises the exception after this answer
+        # and uvicorn logs it with its traceback: logging it here too would log
+        # it twice.
         return _error(500, "Internal error in the router; see its log.")
 
-    async def read_body(request: Request, model: type[pydantic.BaseModel]):
-        length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > config.max_body_bytes:
-            raise InvalidRequest(f"The body is {length} bytes; the limit is {config.max_body_bytes}.",
-                                 status=413)
-        raw = await request.body()
-        if len(raw) > config.max_body_bytes:
-            raise InvalidRequest(f"The body is over the limit of {config.max_body_bytes} bytes.",
-                                 status=413)
-        try:
-            raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise InvalidRequest("The body is not valid UTF-8.") from None
-        try:
-            return model.model_validate_json(raw)
-        except pydantic.ValidationError as exc:
-            message, param = _validation_message(exc)
-            raise InvalidRequest(message, param=param) from None
+    def at_limit(headers: dict = _RETRY) -> Optional[JSONResponse]:
+        if telemetry.in_flight < config.max_in_flight:
+            return None
+        telemetry.refused("429")
+        return _error(429, f"The router has {telemetry.in_flight} requests in flight, its limit; "
+                      "retry shortly.", headers=headers)
 
-    async def handle(request: Request, kind: type[pydantic.BaseModel],
-                     run: Callable[[Request, pydantic.BaseModel, RequestClock], Awaitable[Response]]):
-        if telemetry.in_flight >= config.max_in_flight:
-            telemetry.refused("429")
-            return _error(429, f"The router has {telemetry.in_flight} requests in flight, its limit; "
-                          "retry shortly.", headers={"Retry-After": "1"})
+    async def read_body(request: Request) -> bytes:
+        """The whole body, within the size and time limits (413, 408)."""
+        limit = config.max_body_bytes
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > limit:
+            raise InvalidRequest(f"The body is {length} bytes; the limit is {limit} "
+                                 "(--max-body-bytes on the router).", status=413)
+        chunks, size = [], 0
+        try:
+            async with asyncio.timeout(config.body_read_timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise InvalidRequest(f"The body is over the limit of {limit} bytes "
+                                             "(--max-body-bytes on the router).", status=413)
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise InvalidRequest(
+                f"The body did not arrive within {config.body_read_timeout_s:g} s "
+                "(--body-read-timeout on the router); send it in one go.",
+                status=408, code="request_timeout") from None
+        except ClientDisconnect:
+            raise ClientGone() from None
+        return b"".join(chunks)
+
+    async def handle(request: Request, prepare: Callable[[bytes], Awaitable[Prepared]],
+                     run: Callable[[Request, Prepared, RequestClock], Awaitable[Response]]):
+        if refused := at_limit({**_RETRY, **_CLOSE}):  # before reading a body only to drop it
+            return refused
+        try:
+            raw = await read_body(request)
+        except InvalidRequest as exc:
+            telemetry.refused(str(exc.status))
+            return _error(exc.status, exc.message, exc.param, exc.code, headers=_CLOSE)
+        except ClientGone:
+            telemetry.refused("499")
+            log.info("%s %s: the client closed the connection while sending its body",
+                     request.method, request.url.path)
+            return Response(status_code=499)
+        # Only now does the request take a slot: a body still arriving holds none.
+        if refused := at_limit():
+            return refused
         clock = telemetry.start()
         try:
-            body = await read_body(request, kind)
-            frontend.check_model(body.model)
-            response = await run(request, body, clock)
+            prepared = await prepare(raw)
+            frontend.check_model(prepared.body.model)
+            response = await run(request, prepared, clock)
             if not isinstance(response, StreamingResponse):
                 clock.finish(str(response.status_code))
             return response
@@ -166,10 +199,20 @@ def create_app(frontend: Frontend, telemetry: RouterTelemetry, pools: dict[str, 
             return _error(exc.status, exc.message, exc.param, exc.code)
         except DispatchError as exc:
             clock.finish(str(exc.http_status))
-            retry = {"Retry-After": "1"} if exc.http_status in (429, 503) else None
+            retry = _RETRY if exc.http_status in (429, 503) else None
             return _error(exc.http_status, exc.message, headers=retry)
-        except BaseException:
+        except ClientGone:
+            clock.finish("499")  # nginx's "client closed request"
+            log.info("%s %s: the client closed the connection after %.1f s; request cancelled",
+                     request.method, request.url.path, time.monotonic() - clock.arrival)
+            return Response(status_code=499)  # nobody reads it; returning keeps uvicorn quiet
+        except Exception:
+            # Answered here, not re-raised: uvicorn would log it a second time.
+            log.exception("%s %s failed", request.method, request.url.path)
             clock.finish("500")
+            return _error(500, "Internal error in the router; see its log.")
+        except BaseException:  # cancelled by the server (shutting down)
+            clock.finish("499")
             raise
 
     # --- routes -----------------------------------------------------------------------
@@ -197,17 +240,17 @@ def create_app(frontend: Frontend, telemetry: RouterTelemetry, pools: dict[str, 
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await handle(request, ChatCompletionRequest, _chat)
+        return await handle(request, frontend.prompts.chat_completion, _chat)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await handle(request, CompletionRequest, _completion)
+        return await handle(request, frontend.prompts.completion, _completion)
 
     # --- chat -------------------------------------------------------------------------
 
-    async def _chat(request: Request, body: ChatCompletionRequest, clock: RequestClock) -> Response:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = frontend.chat_prompt(messages)
+    async def _chat(request: Request, prepared: Prepared, clock: RequestClock) -> Response:
+        body: ChatCompletionRequest = prepared.body
+        prompt = prepared.prompts[0]
         if body.top_logprobs is not None and not body.logprobs:
             raise InvalidRequest("top_logprobs: needs logprobs set to true", param="top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -255,24 +298,13 @@ def create_app(frontend: Frontend, telemetry: RouterTelemetry, pools: dict[str, 
 
     # --- completions --------------------------------------------------------------------
 
-    def _completion_prompts(body: CompletionRequest) -> list[list[int]]:
-        p = body.prompt
-        if isinstance(p, str):
-            return [frontend.tokenize(p)]
-        if not p:
-            raise InvalidRequest("prompt: must not be empty", param="prompt")
-        if isinstance(p[0], int):
-            return [frontend.check_token_ids(p)]
-        if isinstance(p[0], str):
-            return [frontend.tokenize(s) for s in p]
-        return [frontend.check_token_ids(ids) for ids in p]
-
-    async def _completion(request: Request, body: CompletionRequest, clock: RequestClock) -> Response:
+    async def _completion(request: Request, prepared: Prepared, clock: RequestClock) -> Response:
+        body: CompletionRequest = prepared.body
         if body.echo:
             raise InvalidRequest("echo: not supported", param="echo")
         if body.suffix:
             raise InvalidRequest("suffix: not supported", param="suffix")
-        prompts = _completion_prompts(body)
+        prompts = prepared.prompts
         n = body.n
         request_id = new_request_id("cmpl")
         created, model_id = now(), frontend.model.model_id
@@ -350,8 +382,7 @@ async def _primed(request: Request, stream: AsyncIterator, clock: RequestClock) 
     await _until_disconnect(request, first)
     if first.cancelled():
         await stream.aclose()
-        clock.finish("499")
-        raise asyncio.CancelledError()
+        raise ClientGone()
     try:
         head = [first.result()]
     except StopAsyncIteration:
@@ -390,8 +421,7 @@ async def _collect(request: Request, stream: AsyncIterator[tuple[int, Delta]], c
     work = asyncio.create_task(consume())
     await _until_disconnect(request, work)
     if work.cancelled():
-        clock.finish("499")  # nginx's "client closed request"
-        raise asyncio.CancelledError()
+        raise ClientGone()
     work.result()  # re-raises DispatchError
     return [choices[i] for i in sorted(choices)], usage
 
@@ -415,10 +445,13 @@ def _sse(request: Request, events: AsyncIterator[dict], clock: RequestClock) -> 
             clock.finish(str(exc.http_status))
             await queue.put(f"data: {json.dumps(error_body(exc.message, 'server_error', None, exc.http_status))}\n\n")
         except asyncio.CancelledError:
+            if not clock.done:
+                log.info("%s %s: the client closed the connection mid-stream; request cancelled",
+                         request.method, request.url.path)
             clock.finish("499")
             raise
         except Exception:
-            log.exception("stream failed")
+            log.exception("%s %s: the stream failed", request.method, request.url.path)
             clock.finish("500")
             await queue.put(f"data: {json.dumps(error_body('Internal error in the router; see its log.', 'server_error', None, 500))}\n\n")
         finally:

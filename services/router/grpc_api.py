@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import logging
 
 import grpc
 
@@ -13,6 +14,8 @@ from tandem.services.router.dispatch import DispatchError
 from tandem.services.router.frontend import Frontend, InvalidRequest, new_request_id
 from tandem.services.router.telemetry import RouterTelemetry
 from tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 
 class TandemServicer(generate_pb2_grpc.TandemServiceServicer):
@@ -33,17 +36,6 @@ class TandemServicer(generate_pb2_grpc.TandemServiceServicer):
             ok |= hmac.compare_digest(token.encode(), key.encode())
         return ok
 
-    def _prompt(self, request: generate_pb2.GenerateRequest) -> list[int]:
-        which = request.WhichOneof("input")
-        if which == "prompt":
-            return self.frontend.tokenize(request.prompt)
-        if which == "token_ids":
-            return self.frontend.check_token_ids(list(request.token_ids.ids), param="token_ids")
-        if which == "chat":
-            return self.frontend.chat_prompt(
-                [{"role": m.role, "content": m.content} for m in request.chat.messages])
-        raise InvalidRequest("input: set one of prompt, token_ids or chat", param="input")
-
     async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         if not self._authorized(context):
             self.telemetry.refused("UNAUTHENTICATED")
@@ -57,7 +49,9 @@ class TandemServicer(generate_pb2_grpc.TandemServiceServicer):
         status = grpc.StatusCode.OK
         try:
             self.frontend.check_model(request.model)
-            prompt = self._prompt(request)
+            # Templated and tokenized in the PromptPool, off the event loop; the
+            # worker parses the input from the bytes itself.
+            prompt = await self.frontend.prompts.generate(request.SerializeToString())
             params = common_pb2.SamplingParams()
             params.CopyFrom(request.params)
             self.frontend.finalize_params(len(prompt), params)
@@ -85,6 +79,11 @@ class TandemServicer(generate_pb2_grpc.TandemServiceServicer):
         except asyncio.CancelledError:
             status = grpc.StatusCode.CANCELLED
             raise
+        except Exception:
+            # Logged once, here; the client gets a status, not the exception's text.
+            log.exception("Generate failed")
+            status = grpc.StatusCode.INTERNAL
+            await context.abort(status, "internal error in the router; see its log")
         finally:
             clock.finish(status.name)
 

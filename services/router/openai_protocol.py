@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tandem.v1 import common_pb2
 
@@ -92,6 +92,18 @@ class CompletionRequest(_SamplingFields):
     logprobs: Optional[Int32] = None
     echo: bool = False
     suffix: Optional[str] = None
+
+
+def validation_message(exc: ValidationError) -> tuple[str, Optional[str]]:
+    """A parse error as (message naming the field, the field's path or None)."""
+    first = exc.errors()[0]
+    loc = [str(p) for p in first.get("loc", ())]
+    if first.get("type") == "json_invalid":
+        return f"The body is not valid JSON: {first.get('msg')}", None
+    # Union members add their type name to loc; keep only the field path.
+    path = ".".join(p for p in loc if not p[0].isupper() and "[" not in p and p not in
+                    ("str", "list", "int", "function-after"))
+    return f"{path or 'body'}: {first.get('msg')}", path or None
 
 
 # --- responses ----------------------------------------------------------------------

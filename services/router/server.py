@@ -46,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--prefill-threshold", type=int, default=32,
              help="prompts shorter than this many tokens skip the prefill tier and prefill on decode")
     add_flag(parser, "--prefill-timeout", type=float, default=300.0,
-             help="seconds a prefill call may take before the router tries another instance")
+             help="seconds a prefill call may take; past it the request fails with 504 (it reached "
+                  "that engine, so it is not sent to another)")
     add_flag(parser, "--api-key", default=None, nargs="*",
              help="API keys clients must send as 'Authorization: Bearer <key>' (several allowed; "
                   "env: comma-separated); unset: no authentication")
@@ -57,6 +58,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--max-body-bytes", type=int, default=4 * 1024 * 1024,
              help="largest request body (HTTP) or message (gRPC API) accepted; larger ones get "
                   "413 / RESOURCE_EXHAUSTED")
+    add_flag(parser, "--body-read-timeout", type=float, default=30.0,
+             help="seconds an HTTP request's body may take to arrive; a slower one gets 408 and its "
+                  "connection is closed (a request takes an in-flight slot only once its body is in)")
+    add_flag(parser, "--max-choices-per-request", type=int, default=256,
+             help="most completions one request may ask for (prompts x n); more get 400 naming "
+                  "prompt or n")
+    add_flag(parser, "--tokenizer-workers", type=int, default=2,
+             help="processes that parse request bodies, apply the chat template and tokenize, off "
+                  "the event loop (so one huge body cannot stall other streams)")
+    add_flag(parser, "--tokenizer-queue", type=int, default=256,
+             help="requests that may wait for a tokenizer worker; more get HTTP 429 / "
+                  "RESOURCE_EXHAUSTED with Retry-After")
     add_flag(parser, "--shutdown-timeout", type=float, default=30.0,
              help="on SIGTERM: seconds in-flight requests get to finish after the router stops "
                   "accepting new ones")
@@ -128,6 +141,7 @@ async def _serve(args: argparse.Namespace) -> int:
     from tandem.services.router.frontend import Frontend
     from tandem.services.router.grpc_api import TandemServicer, add_tandem_service
     from tandem.services.router.policies import make_policy
+    from tandem.services.router.prompts import PromptPool
     from tandem.services.router.telemetry import RouterTelemetry
     from tandem.v1 import decode_pb2_grpc, prefill_pb2_grpc
 
@@ -138,8 +152,19 @@ async def _serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: {exc}") from None
     if not decode_targets:
         raise SystemExit("error: --decode needs at least one host:port of a decode instance")
+    api_keys = api_keys_from_flag(args.api_key)
+    for flag, value, least in (("--tokenizer-workers", args.tokenizer_workers, 1),
+                               ("--tokenizer-queue", args.tokenizer_queue, 0),
+                               ("--max-choices-per-request", args.max_choices_per_request, 1)):
+        if value < least:
+            config_error(f"{flag}: {value} is below {least}; give at least {least}")
+    if not args.body_read_timeout > 0:
+        config_error(f"--body-read-timeout: {args.body_read_timeout} must be above 0 seconds")
     model = _served_model(args)
     telemetry = RouterTelemetry(model.model_id)
+    # Before any traffic: starting the workers takes seconds (each imports transformers).
+    prompts = PromptPool(model.tokenizer, model.max_model_len, args.max_choices_per_request,
+                         workers=args.tokenizer_workers, queue=args.tokenizer_queue)
     tls = tls_from_args(args)
 
     def pool(role: str, targets: list[str], stub) -> BackendPool:
@@ -156,19 +181,19 @@ async def _serve(args: argparse.Namespace) -> int:
     dispatcher = Dispatcher(prefill, decode, make_policy(args.routing, args.affinity_tokens),
                             make_policy(args.routing, args.affinity_tokens), args.prefill_threshold,
                             telemetry, prefill_timeout_s=args.prefill_timeout)
-    frontend = Frontend(model, dispatcher)
-    api_keys = [k for k in (args.api_key or []) if k]
+    frontend = Frontend(model, dispatcher, prompts)
     grpc_server = None
     if args.grpc_port >= 0:
         servicer = TandemServicer(frontend, telemetry, api_keys, args.max_in_flight)
         # Public clients get the HTTP body limit, not the 256 MiB the roles use for KV.
         grpc_server = await start_aio_grpc_server(
             lambda s: add_tandem_service(s, servicer), args.host, args.grpc_port,
-            max_receive_bytes=args.max_body_bytes)
+            max_receive_bytes=args.max_body_bytes, port_flag="--grpc-port")
         print(f"router grpc listening on {args.host}:{grpc_server.port}", flush=True)
     app = create_app(frontend, telemetry, {"prefill": prefill, "decode": decode},
                      GatewayConfig(api_keys=api_keys, max_in_flight=args.max_in_flight,
-                                   max_body_bytes=args.max_body_bytes))
+                                   max_body_bytes=args.max_body_bytes,
+                                   body_read_timeout_s=args.body_read_timeout))
     http = _Uvicorn(app, args.host, args.port, args.shutdown_timeout)
     http_task, http_port = await http.start()
     # The launcher and tests wait for exactly this line.
@@ -190,6 +215,7 @@ async def _serve(args: argparse.Namespace) -> int:
     await asyncio.gather(http_task, return_exceptions=True)
     await prefill.close()
     await decode.close()
+    prompts.close()
     return 0
 
 

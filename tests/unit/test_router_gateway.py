@@ -12,6 +12,7 @@ from tandem.services.router.backends import BackendPool
 from tandem.services.router.dispatch import Dispatcher
 from tandem.services.router.frontend import Frontend, ServedModel
 from tandem.services.router.policies import make_policy
+from tandem.services.router.prompts import PromptPool
 from tandem.services.router.telemetry import RouterTelemetry
 from tandem.v1 import decode_pb2_grpc, prefill_pb2_grpc
 
@@ -27,21 +28,29 @@ def served() -> ServedModel:
                        aliases={"smollm2"})
 
 
-def make_client(served: ServedModel, config: GatewayConfig) -> TestClient:
+@pytest.fixture(scope="module")
+def prompts(served) -> PromptPool:
+    pool = PromptPool(served.tokenizer, served.max_model_len, max_choices=8, workers=1)
+    yield pool
+    pool.close()
+
+
+def make_client(served: ServedModel, prompts: PromptPool, config: GatewayConfig,
+                raise_server_exceptions: bool = False) -> TestClient:
     # No targets in either tier: nothing is ever healthy, no channel is used.
     prefill = BackendPool("prefill", [], prefill_pb2_grpc.PrefillServiceStub)
     decode = BackendPool("decode", [], decode_pb2_grpc.DecodeServiceStub)
     telemetry = RouterTelemetry(served.model_id)
     dispatcher = Dispatcher(prefill, decode, make_policy("round_robin"), make_policy("round_robin"),
                             32, telemetry)
-    app = create_app(Frontend(served, dispatcher), telemetry, {"prefill": prefill, "decode": decode},
-                     config)
-    return TestClient(app, raise_server_exceptions=False)
+    app = create_app(Frontend(served, dispatcher, prompts), telemetry,
+                     {"prefill": prefill, "decode": decode}, config)
+    return TestClient(app, raise_server_exceptions=raise_server_exceptions)
 
 
 @pytest.fixture(scope="module")
-def client(served) -> TestClient:
-    return make_client(served, GatewayConfig(max_body_bytes=64 * 1024))
+def client(served, prompts) -> TestClient:
+    return make_client(served, prompts, GatewayConfig(max_body_bytes=64 * 1024))
 
 
 def chat(**overrides) -> dict:
@@ -124,8 +133,9 @@ def test_metrics_are_exposed(client):
     assert 'tandem:router_requests_total{' in text and 'status="400"' in text
 
 
-def test_api_key_is_required_except_for_health(served):
-    keyed = make_client(served, GatewayConfig(api_keys=[KEY, "another-key"], max_body_bytes=64 * 1024))
+def test_api_key_is_required_except_for_health(served, prompts):
+    keyed = make_client(served, prompts,
+                        GatewayConfig(api_keys=[KEY, "another-key"], max_body_bytes=64 * 1024))
     assert keyed.get("/v1/models").status_code == 401
     assert keyed.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert keyed.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
@@ -133,8 +143,8 @@ def test_api_key_is_required_except_for_health(served):
     assert keyed.get("/health").status_code == 503  # reachable without a key (no decode here)
 
 
-def test_router_at_its_limit_answers_429_with_retry_after(served):
-    r = make_client(served, GatewayConfig(max_in_flight=0)).post("/v1/chat/completions", json=chat())
+def test_router_at_its_limit_answers_429_with_retry_after(served, prompts):
+    r = make_client(served, prompts, GatewayConfig(max_in_flight=0)).post("/v1/chat/completions", json=chat())
     assert r.status_code == 429 and r.headers["retry-after"] == "1"
     assert r.json()["error"]["type"] == "rate_limit_error"
 
@@ -154,7 +164,7 @@ def test_status_series_exist_from_startup(client):
     assert "tandem:router_healthy_instances{" in text
 
 
-def test_grpc_api_needs_a_key_too_and_keys_come_from_the_environment(served, monkeypatch):
+def test_grpc_api_needs_a_key_too_and_keys_come_from_the_environment(served, prompts, monkeypatch):
     import argparse
     import asyncio
 
@@ -176,7 +186,7 @@ def test_grpc_api_needs_a_key_too_and_keys_come_from_the_environment(served, mon
         telemetry = RouterTelemetry(served.model_id)
         dispatcher = Dispatcher(decode, decode, make_policy("round_robin"), make_policy("round_robin"),
                                 32, telemetry)
-        servicer = TandemServicer(Frontend(served, dispatcher), telemetry, keys)
+        servicer = TandemServicer(Frontend(served, dispatcher, prompts), telemetry, keys)
         server = await start_aio_grpc_server(lambda s: add_tandem_service(s, servicer), "127.0.0.1", 0)
         out = []
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
@@ -192,3 +202,56 @@ def test_grpc_api_needs_a_key_too_and_keys_come_from_the_environment(served, mon
         return out
 
     assert asyncio.run(codes()) == ["UNAUTHENTICATED", "UNAUTHENTICATED", "OK", "OK"]
+
+
+def test_more_completions_than_the_cap_is_a_400_naming_the_field(client):
+    # max_choices is 8 here: 9 prompts, or one prompt with n=9, ask for too much.
+    r = client.post("/v1/completions", json={"prompt": ["hi"] * 9, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert "--max-choices-per-request" in r.json()["error"]["message"]
+    r = client.post("/v1/chat/completions", json=chat(n=9))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+
+def test_a_router_failure_is_answered_as_json_and_logged_once(served, prompts, monkeypatch, caplog):
+    def broken(self, name):
+        raise RuntimeError("a bug in the router")
+
+    monkeypatch.setattr(Frontend, "check_model", broken)
+    # raise_server_exceptions: an exception that escaped the app would be raised
+    # here, as uvicorn would log it (a second time).
+    strict = make_client(served, prompts, GatewayConfig(), raise_server_exceptions=True)
+    with caplog.at_level("ERROR"):
+        r = strict.post("/v1/chat/completions", json=chat())
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert "a bug" not in r.text  # never the exception to the client
+    errors = [rec for rec in caplog.records if rec.levelname == "ERROR"]
+    assert len(errors) == 1 and errors[0].exc_info is not None
+
+
+def test_a_full_tokenizer_pool_answers_429_with_retry_after(served, prompts, monkeypatch):
+    import threading
+    import time
+
+    client = make_client(served, prompts, GatewayConfig())
+    monkeypatch.setattr(prompts, "queue", 0)  # one job in its one worker, none waiting
+    # About a second of tokenizing in the worker (then refused: over the context).
+    big = threading.Thread(target=client.post, args=("/v1/completions",),
+                           kwargs={"json": {"prompt": "word " * 400_000, "max_tokens": 2}})
+    big.start()
+    deadline = time.monotonic() + 10
+    while prompts.outstanding == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    r = client.post("/v1/chat/completions", json=chat())
+    big.join()
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert "--tokenizer-queue" in r.json()["error"]["message"]
+
+
+def test_invalid_request_keeps_its_field_across_processes():
+    import pickle
+
+    from tandem.services.router.prompts import InvalidRequest
+
+    exc = pickle.loads(pickle.dumps(InvalidRequest("n: too many", param="n", status=404, code="x")))
+    assert (exc.message, exc.param, exc.status, exc.code) == ("n: too many", "n", 404, "x")
