@@ -4,8 +4,10 @@ tests) and to read each process's Prometheus metrics.
 
 Use the `tandem_stack` fixture. A stack takes a minute or two to start on two
 cores, so stacks are shared: every module asking for the same StackOptions
-gets the same stack for the whole session. A module that kills children asks
-for `private=True` and gets its own, stopped when the module ends.
+gets the same stack, stopped after the last of those modules (modules run in
+file order, so modules sharing a stack are best named next to each other). A
+module that kills children asks for `private=True` and gets its own, stopped
+when the module ends.
 
 A killed child stays dead (`tandem up --no-restart --keep-going`): fault tests
 study the stack without it, and `restart()` brings it back by hand. Tests of
@@ -258,10 +260,13 @@ def _kill_pid(pid: Optional[int]) -> None:
             pass
 
 
-# Shared stacks live for the whole session; config.add_cleanup stops them at its
-# end. (A module-level registry instead of a session fixture, so that importing
-# `tandem_stack` alone is enough for a test module.)
+# Shared stacks live until the last module that asks for them has run (or
+# the session ends): every engine holds one to two GiB, and a stack kept for
+# the whole session beside the private ones of fault tests used to exhaust a
+# 24 GiB machine. (A module-level registry instead of a session fixture, so
+# that importing `tandem_stack` alone is enough for a test module.)
 _SHARED: dict[StackOptions, TandemStack] = {}
+_LAST_USER: dict[StackOptions, str] = {}  # options -> nodeid of the last module using them
 
 
 def _stop_shared() -> None:
@@ -269,26 +274,43 @@ def _stop_shared() -> None:
         _SHARED.popitem()[1].stop()
 
 
+def _options(request) -> StackOptions:
+    return (getattr(request, "param", None) or getattr(request.module, "TANDEM_STACK_OPTIONS", None)
+            or StackOptions())
+
+
+def _last_module_using(request, options: StackOptions) -> str:
+    """The module, among the items this session runs, that uses `options` last."""
+    if not _LAST_USER:
+        for item in request.session.items:
+            if "tandem_stack" not in getattr(item, "fixturenames", ()):
+                continue
+            callspec = getattr(item, "callspec", None)
+            used = ((callspec.params.get("tandem_stack") if callspec else None)
+                    or getattr(item.module, "TANDEM_STACK_OPTIONS", None) or StackOptions())
+            _LAST_USER[used] = item.module.__name__
+    return _LAST_USER.get(options, "")
+
+
 @pytest.fixture(scope="module")
 def tandem_stack(request) -> Iterator[TandemStack]:
-    options = (getattr(request, "param", None) or getattr(request.module, "TANDEM_STACK_OPTIONS", None)
-               or StackOptions())
-    if not options.private and options in _SHARED:
-        yield _SHARED[options]
-        return
-    stack = TandemStack(options)
-    try:
-        stack.start()
-    except BaseException:
-        stack.stop()
-        raise
-    if options.private:
+    options = _options(request)
+    if options.private or options not in _SHARED:
+        stack = TandemStack(options)
         try:
-            yield stack
-        finally:
+            stack.start()
+        except BaseException:
             stack.stop()
-        return
-    if not _SHARED:
-        request.config.add_cleanup(_stop_shared)
-    _SHARED[options] = stack
-    yield stack
+            raise
+        if options.private:
+            try:
+                yield stack
+            finally:
+                stack.stop()
+            return
+        if not _SHARED:
+            request.config.add_cleanup(_stop_shared)
+        _SHARED[options] = stack
+    yield _SHARED[options]
+    if _last_module_using(request, options) == request.module.__name__:
+        _SHARED.pop(options).stop()
