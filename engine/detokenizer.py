@@ -3,6 +3,14 @@
 Text is emitted in deltas. A delta never ends inside a UTF-8 character
 (a trailing U+FFFD waits for the next token) nor inside what could still
 become a stop string (the last len(longest stop) - 1 characters wait).
+
+The text always equals `tokenizer.decode(output_ids, skip_special_tokens=True)`
+(what a client would get by decoding the ids itself), cut at a stop string.
+With a fast (Rust) tokenizer each token costs the same however long the
+output: tokenizers' DecodeStream turns ids into text as they come and holds
+back the bytes of an unfinished character; at the end the rest of the full
+decode is appended once. Other tokenizers re-decode the whole output per
+token (quadratic in the output's length).
 """
 from __future__ import annotations
 
@@ -20,17 +28,34 @@ class Detokenizer:
         self.text = ""
         self.emitted = 0  # characters of `text` already handed out
         self.output_ids: list[int] = []
+        self.stopped = False  # a stop string cut the text: nothing more is added
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._stream = None
+        if backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._backend = backend
+            self._stream = DecodeStream(skip_special_tokens=True)
 
     def _decode(self) -> str:
         return self.tokenizer.decode(self.output_ids, skip_special_tokens=True)
 
     def add(self, token_ids: list[int]) -> Optional[str]:
         """Add tokens; returns the stop string if one appeared (text is cut there)."""
-        if self.tokenizer is None:
+        if self.tokenizer is None or self.stopped:
             return None
         before = len(self.text)
         self.output_ids.extend(token_ids)
-        self.text = self._decode()
+        if self._stream is None:
+            self.text = self._decode()
+        else:
+            for t in token_ids:
+                chunk = self._stream.step(self._backend, t)
+                if chunk:
+                    self.text += chunk
+        return self._find_stop(before)
+
+    def _find_stop(self, before: int) -> Optional[str]:
         if not self.stop:
             return None
         # Only a window that includes the new characters can hold a new match.
@@ -39,7 +64,21 @@ class Detokenizer:
             idx = self.text.find(s, search_from)
             if idx != -1:
                 self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
+                self.stopped = True
                 return s
+        return None
+
+    def finish(self) -> Optional[str]:
+        """The request ends: the bytes the stream still holds (an unfinished
+        character, decoded as U+FFFD as the full decode does) join the text.
+        Returns a stop string they completed, if any."""
+        if self.tokenizer is None or self.stopped or self._stream is None:
+            return None
+        full = self._decode()  # once per request
+        if len(full) > len(self.text) and full.startswith(self.text):
+            before = len(self.text)
+            self.text = full
+            return self._find_stop(before)
         return None
 
     def delta(self, finished: bool) -> str:

@@ -316,6 +316,13 @@ class LLMEngine:
         if status is None and (req.num_output_tokens >= params.max_tokens
                                or req.num_tokens >= self.max_model_len):
             status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            # The bytes of an unfinished character join the text now; a stop
+            # string they complete outranks the length limit, as it would
+            # have had they been decoded with the rest.
+            stop_str = detok.finish()
+            if stop_str is not None and status is RequestStatus.FINISHED_LENGTH:
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
         # A request's first step reports its prompt's block hashes (prefill's reply).
         first = self._pending_first.pop(req.request_id, False) if scheduled else False
         hashes = [h.hex() for h in self.kv.block_hashes(req)[: req.num_prompt_tokens // self.kv.block_size]] if first else []
