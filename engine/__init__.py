@@ -1,14 +1,37 @@
-"""tandem's paged KV engine library (see docs/architecture.md)."""
-from tandem.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from tandem.engine.request import (Request, RequestFailedError, RequestStatus, SamplingParams,
-                                   SamplingParamsError, TokenLogprob)
-from tandem.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
-from tandem.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from tandem.engine.llm import LLM, CompletionOutput, GenerateOutput
+"""tandem's paged KV engine library (see docs/architecture.md).
 
-__all__ = [
-    "AsyncLLMEngine", "CacheConfig", "CompletionOutput", "EngineConfig", "EngineDeadError", "EngineStats",
-    "GenerateOutput", "LLM", "LLMEngine", "ModelConfig", "Request", "RequestFailedError", "RequestOutput",
-    "RequestStatus", "SamplingParams",
-    "SamplingParamsError", "SchedulerConfig", "TokenLogprob",
-]
+Names are imported on first use (PEP 562): the router needs the request
+types, validation and the tokenizer's loader, not the model runner, so
+importing `tandem.engine.request` or `tandem.engine.loader` must not load
+torch and the model code.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "CacheConfig": "config", "EngineConfig": "config", "ModelConfig": "config",
+    "SchedulerConfig": "config",
+    "Request": "request", "RequestFailedError": "request", "RequestStatus": "request",
+    "SamplingParams": "request", "SamplingParamsError": "request", "TokenLogprob": "request",
+    "EngineStats": "llm_engine", "LLMEngine": "llm_engine", "RequestOutput": "llm_engine",
+    "AsyncLLMEngine": "async_engine", "EngineDeadError": "async_engine",
+    "LLM": "llm", "CompletionOutput": "llm", "GenerateOutput": "llm",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tandem.engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"tandem.engine.{module}"), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

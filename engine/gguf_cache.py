@@ -19,9 +19,10 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
-import torch
+if TYPE_CHECKING:  # only named in annotations; the router reads the cached folder without torch
+    import torch
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,10 @@ import logging
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import torch
+if TYPE_CHECKING:  # torch is imported where weights are loaded: the router only needs tokenizers
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +168,7 @@ def load_model_info(model: str, load_format: str = "auto", hf_config: Any = None
 def gguf_state_dict(path: str) -> dict[str, torch.Tensor]:
     # Cached: dequantizing takes seconds and tests build several engines on
     # one model. Callers copy out of it and never modify it.
+    import torch
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
@@ -192,6 +194,8 @@ def _safetensors_state_dict(folder: str) -> dict[str, torch.Tensor]:
 
 def load_weights(model: torch.nn.Module, source: ModelSource, config: Any, seed: int = 0) -> None:
     """Fill `model`'s parameters in place (they already have their dtype and device)."""
+    import torch
+
     if source.kind == "dummy":
         std = float(getattr(config, "initializer_range", 0.02))
         gens: dict[torch.device, torch.Generator] = {}
