@@ -17,7 +17,7 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import AsyncIterator, Callable, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, Iterator, Optional, Sequence
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
@@ -93,11 +93,7 @@ class AsyncLLMEngine:
         wait on `added`, which must fail now. (generate() checks `error`
         after queueing its command, and `error` is set before this runs, so
         no caller is missed.)"""
-        while True:
-            try:
-                kind, args = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for kind, args in self._queued_commands():
             if kind == "add":
                 rid, *_, fut_loop, fut = args
                 self._streams.pop(rid, None)
@@ -110,12 +106,16 @@ class AsyncLLMEngine:
         self._fault = reason
         self._wakeup.set()
 
-    def _drain_commands(self) -> None:
+    def _queued_commands(self) -> Iterator[tuple[str, Any]]:
+        """(kind, args) of every command queued now, taken off the queue."""
         while True:
             try:
-                kind, args = self._commands.get_nowait()
+                yield self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain_commands(self) -> None:
+        for kind, args in self._queued_commands():
             if kind == "add":
                 rid, prompt, params, first, kv_transfer_params, fut_loop, fut = args
                 try:

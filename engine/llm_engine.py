@@ -265,8 +265,8 @@ class LLMEngine:
                     continue
                 except Exception as exc:  # detokenizing or a stop rule broke on this request alone
                     log.exception("request %s failed after sampling", s.request.request_id)
-                    error = RequestFailedError(f"the engine failed this request: {exc!r}")
-                    error.caused_by_request = False
+                    error = RequestFailedError(f"the engine failed this request: {exc!r}",
+                                               caused_by_request=False)
             outputs.append(self._fail(s.request, error))
         return outputs
 

@@ -41,12 +41,12 @@ class RequestFailedError(RuntimeError):
     """The engine failed one request (and only it) while running it. `field`
     names the parameter that caused it when one did; the engine keeps stepping."""
 
-    def __init__(self, message: str, field: Optional[str] = None) -> None:
+    def __init__(self, message: str, field: Optional[str] = None, caused_by_request: bool = True) -> None:
         super().__init__(message)
         self.field = field
         # True: the request's own parameters or input caused it (a client
         # error, HTTP 400); False: the engine broke on it (HTTP 500).
-        self.caused_by_request = True
+        self.caused_by_request = caused_by_request
 
 
 # Integer fields travel as protobuf int32/int64: a value outside them cannot

@@ -42,6 +42,11 @@ def _sampling_fields(r: Request) -> str:
     return ", ".join(given) or "the defaults"
 
 
+def _no_probability(r: Request) -> RequestFailedError:
+    return RequestFailedError(f"sampling: this request's parameters ({_sampling_fields(r)}) left no "
+                              "finite token probability; use values of ordinary size")
+
+
 class Sampler:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
@@ -130,9 +135,7 @@ class Sampler:
                     "min_tokens: while it holds, stop_token_ids and EOS ban every token of the "
                     "vocabulary, so no token can be sampled", field="min_tokens")
             else:
-                errors[i] = RequestFailedError(
-                    f"sampling: this request's parameters ({_sampling_fields(r)}) left no finite "
-                    "token probability; use values of ordinary size")
+                errors[i] = _no_probability(r)
         return errors
 
     def _apply_penalties(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
@@ -180,9 +183,7 @@ class Sampler:
             total = float(probs.sum())
             if not math.isfinite(total) or total <= 0.0 or not bool(torch.isfinite(probs).all()):
                 # Finite logits can still overflow once divided by the temperature.
-                errors[i] = RequestFailedError(
-                    f"sampling: this request's parameters ({_sampling_fields(r)}) left no finite "
-                    "token probability; use values of ordinary size")
+                errors[i] = _no_probability(r)
                 continue
             tokens[i] = int(torch.multinomial(probs, 1, generator=self._generator(r)))
         return tokens
