@@ -51,8 +51,10 @@ def measure(model: str, store_target: str, prompt: list[int], first: list[int], 
     from tandem.engine.config import EngineConfig, ModelConfig
     from tandem.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(EngineConfig(model=ModelConfig(model=model), device=device, kv_connector="kvstore",
-                                    kv_connector_url=store_target, kv_role="consumer"))
+    from tandem.services.kvstore.client import KVStoreClient
+
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=model), device=device, kv_transfer="store",
+                                    kv_role="consumer"), kv_store=KVStoreClient(store_target, timeout_s=5.0))
     if not prefetch:
         engine.connector.prefetch = lambda request: None  # fetch inside the admitting step
     params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
@@ -98,9 +100,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     from tandem.engine.llm_engine import LLMEngine
     store, target = start_store("4GiB")
     try:
+        from tandem.services.kvstore.client import KVStoreClient
+
         producer = LLMEngine(EngineConfig(model=ModelConfig(model=args.model), device=args.device,
-                                          kv_connector="kvstore", kv_connector_url=target,
-                                          kv_role="producer"))
+                                          kv_transfer="store", kv_role="producer"),
+                             kv_store=KVStoreClient(target, timeout_s=5.0))
         rows = []
         for r in range(args.repeats):
             # A prompt of its own per run, so no run finds another's blocks locally.

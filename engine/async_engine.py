@@ -20,6 +20,7 @@ import threading
 from typing import Any, AsyncIterator, Callable, Iterator, Optional, Sequence
 
 from tandem.engine.config import EngineConfig
+from tandem.engine.connector.base import KVStore
 from tandem.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
 from tandem.engine.request import SamplingParams
 
@@ -38,9 +39,11 @@ class InjectedFault(RuntimeError):
 
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, engine: Optional[LLMEngine] = None,
-                 on_death: Optional[Callable[[BaseException], None]] = None) -> None:
-        """on_death(exc): called once, on the engine thread, when the loop dies."""
-        self.engine = engine or LLMEngine(config)
+                 on_death: Optional[Callable[[BaseException], None]] = None,
+                 kv_store: Optional[KVStore] = None) -> None:
+        """on_death(exc): called once, on the engine thread, when the loop dies.
+        kv_store: see LLMEngine."""
+        self.engine = engine or LLMEngine(config, kv_store=kv_store)
         self.tokenizer = self.engine.tokenizer
         self.model_id = self.engine.model_id
         self.max_model_len = self.engine.max_model_len

@@ -12,6 +12,9 @@ SchedulingPolicy = Literal["fifo", "srtf"]
 DEFAULT_TOKEN_BUDGET = {"cuda": 8192, "cpu": 2048}
 LoadFormat = Literal["auto", "gguf", "safetensors", "dummy"]
 KVRole = Literal["producer", "consumer", "both"]
+# How KV moves between engines: through the KV store service (a KVStore the
+# caller injects), or copied straight from a prefill's shared memory on one host.
+KVTransfer = Literal["store", "direct"]
 
 
 @dataclass
@@ -61,10 +64,8 @@ class EngineConfig:
     device: str = "auto"  # "auto": cuda when available, else cpu
     enforce_eager: bool = False  # True: no CUDA graphs
     # Where KV goes besides the local cache: None for a colocated engine.
-    kv_connector: Optional[str] = None  # "kvstore" or "direct" (LMCache: see docs/architecture.md)
-    kv_connector_url: Optional[str] = None  # e.g. "127.0.0.1:50081"
-    # TLS for the connector's channel to the store (tandem.services.common.grpc_server.TLSConfig).
-    kv_connector_tls: Optional[object] = None
+    # "store" needs a KVStore passed to LLMEngine (services pass their client).
+    kv_transfer: Optional[KVTransfer] = None
     kv_role: KVRole = "both"
     # Direct transfer: seconds a prefill keeps a finished prompt's blocks for
     # the decode to copy when nobody releases them earlier.

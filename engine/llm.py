@@ -52,8 +52,10 @@ def build_config(model: str, **kwargs: Any) -> EngineConfig:
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2", **kwargs: Any) -> None:
-        self.engine = LLMEngine(build_config(model, **kwargs))
+    def __init__(self, model: str = "smollm2", kv_store: Any = None, **kwargs: Any) -> None:
+        """kwargs: engine options by their config field names; kv_store: the
+        KVStore of kv_transfer="store"."""
+        self.engine = LLMEngine(build_config(model, **kwargs), kv_store=kv_store)
         self.tokenizer = self.engine.tokenizer
 
     def encode(self, prompt: Prompt) -> list[int]:

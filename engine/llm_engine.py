@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence, Union
 
 from tandem.engine.config import EngineConfig
+from tandem.engine.connector.base import KVStore
 from tandem.engine.detokenizer import Detokenizer
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.loader import ModelInfo, load_model_info
@@ -74,7 +75,10 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, info: Optional[ModelInfo] = None) -> None:
+    def __init__(self, config: EngineConfig, info: Optional[ModelInfo] = None,
+                 kv_store: Optional[KVStore] = None) -> None:
+        """kv_store: where the "store" KV transfer keeps blocks (the service
+        passes its KV store client; the engine owns and closes it)."""
         self.config = config = config.with_defaults()
         mc = config.model
         self.info = info or load_model_info(mc.model, mc.load_format, mc.hf_config, mc.tokenizer,
@@ -94,7 +98,7 @@ class LLMEngine:
             log.warning("KV cache holds %d tokens: max_model_len lowered from %d", capacity,
                         self.info.max_model_len)
         self.runner.enable_cuda_graphs(self.max_model_len)
-        self.connector = self._make_connector()
+        self.connector = self._make_connector(kv_store)
         self.last_step_empty = False
         self.scheduler = Scheduler(config.scheduler, config.cache, self.kv, self.connector)
         self.eos_token_id = self._eos_token_id()
@@ -117,24 +121,22 @@ class LLMEngine:
             eos = self.tokenizer.eos_token_id
         return eos
 
-    def _make_connector(self):
-        kind = self.config.kv_connector
+    def _make_connector(self, kv_store: Optional[KVStore]):
+        kind = self.config.kv_transfer
         if kind is None:
             return None
-        if kind == "kvstore":
+        if kind == "store":
             from tandem.engine.connector.kvstore import KVStoreConnector
 
-            return KVStoreConnector(self.config, self.kv, self.runner)
+            if kv_store is None:
+                raise ValueError("kv_transfer 'store' needs a KV store: pass kv_store= (a "
+                                 "tandem.services.kvstore.client.KVStoreClient, or any KVStore)")
+            return KVStoreConnector(self.config, self.kv, self.runner, kv_store)
         if kind == "direct":
             from tandem.engine.connector.direct import DirectConnector
 
             return DirectConnector(self.config, self.kv, self.runner, self.config.kv_hold_timeout_s)
-        if kind == "lmcache":
-            # LMCache 0.5.x pins protobuf<7 and needs CUDA ops and cupy; it cannot be
-            # installed beside tandem's gRPC stack, so there is no adapter yet.
-            raise ValueError("kv_connector 'lmcache' is not available in this build; use 'kvstore' "
-                             "(see docs/architecture.md, 'KV connector')")
-        raise ValueError(f"kv_connector must be 'kvstore' or 'direct', got {kind!r}")
+        raise ValueError(f"kv_transfer must be 'store' or 'direct' (or unset), got {kind!r}")
 
     # ---- requests ------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,

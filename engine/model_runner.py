@@ -76,7 +76,7 @@ class ModelRunner:
         # process (the direct KV transfer) and each layer's cache is a view of it.
         shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.shared_kv = None
-        if config.kv_connector == "direct" and config.kv_role in ("producer", "both"):
+        if config.kv_transfer == "direct" and config.kv_role in ("producer", "both"):
             from tandem.engine.connector.shared_cache import ExportedKVCache
 
             self.shared_kv = ExportedKVCache(shape, self.dtype, self.device)

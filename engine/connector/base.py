@@ -22,13 +22,29 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 
 import torch
 
 if TYPE_CHECKING:
     from tandem.engine.request import Request
     from tandem.engine.scheduler import SchedulerOutput
+
+
+class KVStore(Protocol):
+    """What the store connector needs of a KV store: bytes under string keys.
+    The engine defines it; the service that runs the engine injects an
+    implementation (tandem.services.kvstore.client.KVStoreClient), so the
+    engine library never imports a service. Every method may raise: the
+    connector treats a failure as "the store has nothing" and recomputes."""
+
+    def exists(self, keys: Sequence[str]) -> list[bool]: ...
+
+    def get(self, keys: Sequence[str]) -> list[Optional[bytes]]: ...
+
+    def put(self, items: Sequence[tuple[str, bytes]]) -> int: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from tandem.engine.connector.base import BlockTransfer, ConnectorMeta, ConnectorStats, KVConnector
+from tandem.engine.connector.base import BlockTransfer, ConnectorMeta, ConnectorStats, KVConnector, KVStore
 from tandem.engine.connector.serialization import decode_blocks_into, encode_block
 
 log = logging.getLogger(__name__)
@@ -47,13 +47,8 @@ class Prefetched:
 
 
 class KVStoreConnector(KVConnector):
-    def __init__(self, config, kv, runner, timeout_s: float = 5.0) -> None:
-        from tandem.services.kvstore.client import KVStoreClient
-
-        if not config.kv_connector_url:
-            raise ValueError("the kvstore connector needs kv_connector_url (host:port of the KV store)")
-        self.client = KVStoreClient(config.kv_connector_url, timeout_s=timeout_s,
-                                    tls=config.kv_connector_tls)
+    def __init__(self, config, kv, runner, store: KVStore) -> None:
+        self.client = store
         self.role = config.kv_role
         self.kv = kv
         self.block_size = kv.block_size

@@ -88,7 +88,7 @@ def build_engine_config(args: argparse.Namespace, kv_role: str):
 
     if args.kv_direct and args.kvstore:
         raise SystemExit("error: --kv-direct and --kvstore are two ways to move KV: pick one")
-    connector = "direct" if args.kv_direct else ("kvstore" if args.kvstore else None)
+    kv_transfer = "direct" if args.kv_direct else ("store" if args.kvstore else None)
 
     return EngineConfig(
         model=ModelConfig(model=args.model, max_model_len=args.max_model_len,
@@ -99,9 +99,7 @@ def build_engine_config(args: argparse.Namespace, kv_role: str):
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, policy=args.policy),
-        kv_connector=connector,
-        kv_connector_url=args.kvstore or None,
-        kv_connector_tls=tls_from_args(args),
+        kv_transfer=kv_transfer,
         kv_role=kv_role,
         kv_hold_timeout_s=args.kv_hold_timeout,
         device=args.device,
@@ -161,6 +159,9 @@ def load_from_stats(stats) -> common_pb2.Load:
         kv_cache_usage=stats.kv_cache_usage, num_free_blocks=stats.num_free_blocks,
         num_total_blocks=stats.num_total_blocks)
 
+
+# Seconds any one call to the KV store may take before the engine computes instead.
+KV_STORE_TIMEOUT_S = 5.0
 
 # A service whose engine loop died exits with this status, for its supervisor
 # (`tandem up`, Kubernetes) to restart it.
@@ -407,8 +408,15 @@ async def run_engine_service(args: argparse.Namespace, *, role: str, kv_role: st
 
     # Created on the serving loop: the engine hands results back to the loop
     # that awaits them. Loading blocks the loop, but nothing else runs yet.
+    config = build_engine_config(args, kv_role)
+    kv_store = None
+    if config.kv_transfer == "store":
+        from tandem.services.kvstore.client import KVStoreClient
+
+        # Short deadlines: a store that does not answer costs a recompute, not a stalled request.
+        kv_store = KVStoreClient(args.kvstore, timeout_s=KV_STORE_TIMEOUT_S, tls=tls_from_args(args))
     try:
-        engine = AsyncLLMEngine(build_engine_config(args, kv_role), on_death=on_death)
+        engine = AsyncLLMEngine(config, on_death=on_death, kv_store=kv_store)
     except ModelNotFoundError as exc:
         config_error(f"--model: {exc}")
     log.info("%s: model %s loaded in %.1fs", role, engine.model_id, time.monotonic() - t0)

@@ -16,6 +16,7 @@ from tandem.engine import SamplingParams
 from tandem.engine.config import CacheConfig, EngineConfig, ModelConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.request import RequestStatus
+from tandem.services.kvstore.client import KVStoreClient
 from tests.support.hf_oracle import tiny_model_dir
 from tests.support.kvstore_process import start_store
 
@@ -41,8 +42,8 @@ def store():
 def engine(model_dir: str, store_target: str | None, role: str = "both") -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=ModelConfig(model=model_dir, dtype="float32"), cache=CacheConfig(num_blocks=256),
-        device="cpu", kv_connector="kvstore" if store_target else None, kv_connector_url=store_target,
-        kv_role=role))
+        device="cpu", kv_transfer="store" if store_target else None, kv_role=role),
+        kv_store=KVStoreClient(store_target, timeout_s=5.0) if store_target else None)
 
 
 def run_to_end(eng: LLMEngine, request_id: str) -> list[int]:

@@ -44,7 +44,7 @@ def test_decode_copies_from_a_prefill_in_another_process(tmp_path, device):
     def engine(connector=None, role="both") -> LLMEngine:
         return LLMEngine(EngineConfig(model=ModelConfig(model=path, dtype="float32"),
                                       cache=CacheConfig(block_size=16, num_blocks=256), device=device,
-                                      kv_connector=connector, kv_role=role))
+                                      kv_transfer=connector, kv_role=role))
 
     reference = run(engine(), MAX_NEW)
     producer = subprocess.Popen(

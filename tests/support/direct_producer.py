@@ -20,7 +20,7 @@ def main() -> None:
     prompt_ids = [int(t) for t in prompt.split(",")]
     engine = LLMEngine(EngineConfig(model=ModelConfig(model=model_dir, dtype=dtype),
                                     cache=CacheConfig(block_size=16, num_blocks=256), device=device,
-                                    kv_connector="direct", kv_role="producer"))
+                                    kv_transfer="direct", kv_role="producer"))
     engine.add_request("r", prompt_ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
     out = None
     while engine.has_unfinished():

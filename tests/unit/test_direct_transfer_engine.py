@@ -33,7 +33,7 @@ def model_dir(tmp_path_factory):
 def engine(model_dir: str, connector=None, role="both", num_blocks=64, hold_timeout_s=30.0) -> LLMEngine:
     return LLMEngine(EngineConfig(model=ModelConfig(model=model_dir, dtype="float32"),
                                   cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks),
-                                  device="cpu", kv_connector=connector, kv_role=role,
+                                  device="cpu", kv_transfer=connector, kv_role=role,
                                   kv_hold_timeout_s=hold_timeout_s))
 
 
