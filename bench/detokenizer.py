@@ -29,7 +29,7 @@ def per_token_us(tokenizer, ids: list[int], stop: list[str]) -> float:
     detok = Detokenizer(tokenizer, stop)
     t0 = time.perf_counter()
     for i, t in enumerate(ids):
-        detok.add([t])
+        detok.add(t)
         if i == len(ids) - 1:
             detok.finish()
         detok.delta(i == len(ids) - 1)

@@ -56,7 +56,7 @@ def measure(model: str, store_target: str, prompt: list[int], first: list[int], 
     engine = LLMEngine(EngineConfig(model=ModelConfig(model=model), device=device, kv_transfer="store",
                                     kv_role="consumer"), kv_store=KVStoreClient(store_target, timeout_s=5.0))
     if not prefetch:
-        engine.connector.prefetch = lambda request: None  # fetch inside the admitting step
+        engine.connector.prefetch = lambda request, num_local_hit_tokens: None  # fetch inside the admitting step
     params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
     for i in range(running):
         engine.add_request(f"run-{i}", [100 + i, 200 + i, 300 + i], params)

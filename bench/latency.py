@@ -1,14 +1,16 @@
 """`tandem bench latency`: decode step time against the hardware floor, and
-the CPU time of one engine step (schedule + input preparation).
+the host's own work per engine step (schedule + input preparation + the
+update step: stop rules, detokenizing, outputs).
 
 Prompt lengths are staggered over one block (CONTEXT - block_size/2 ... CONTEXT
 + block_size/2 - 1), as in serving, where requests arrive at different times:
 each step some sequences fill a block (it gets named for the prefix cache) and
 some start a new one, rather than all of them in the same step every
-block_size steps. Host time is wall time, reported as the median and the mean
-over the timed steps (the mean counts those steps' extra work), beside the
-median CPU time of the same interval (the thread's CPU clock), which leaves
-out time the thread spent descheduled by a busy or shared host.
+block_size steps. Host time is wall time of those three phases of each timed
+step (the engine's own StepTimes), reported as the median and the mean over
+the timed steps (the mean counts those steps' extra work). With --tokenizer
+the requests are detokenized as in serving; without it the update step has no
+text to make.
 
 The floor of a decode step is (weight bytes + KV bytes read) / copy bandwidth:
 every weight and every cached K/V byte of the batch is read once per step.
@@ -17,9 +19,12 @@ The copy bandwidth is measured in the same run (bytes read + written).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 
 
@@ -29,12 +34,15 @@ def register(subparsers) -> None:
         description="Builds the engine (dummy weights of a real architecture with --preset), fills "
                     "BATCH sequences of about CONTEXT tokens (staggered over one KV block), then "
                     "times decode steps. Prints step time, the floor (weights + KV bytes) / "
-                    "measured copy bandwidth, their ratio, and the host time spent scheduling "
-                    "and preparing inputs per step: wall time (median and mean) and the "
-                    "thread's CPU time (median); the JSON also splits the wall time into "
-                    "schedule and prepare.")
+                    "measured copy bandwidth, their ratio, and the host time per step: "
+                    "scheduling, preparing inputs and the update step (stop rules, "
+                    "detokenizing with --tokenizer), median and mean; the JSON also splits "
+                    "it into schedule, prepare and update.")
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--preset", default=None, help="dummy weights: llama-3-8b, qwen3-0.6b")
+    p.add_argument("--preset", default=None, help="dummy weights: llama-3-8b, llama-3-tiny, qwen3-0.6b")
+    p.add_argument("--tokenizer", default=None,
+                   help="with --preset: attach this tokenizer (a HF folder, .gguf file or 'smollm2'), "
+                        "padded to the preset's vocabulary, so each step detokenizes as in serving")
     p.add_argument("--batch-sizes", default="1,8,64,256", help="comma-separated (default 1,8,64,256)")
     p.add_argument("--context", type=int, default=512,
                    help="mean prompt tokens per sequence (default 512)")
@@ -74,29 +82,43 @@ def copy_bandwidth(device) -> float:
     return 2 * 2 * 2**30 / statistics.median(times)
 
 
+def build_llm(args: argparse.Namespace, max_num_seqs: int, folder: str):
+    from tandem.engine import LLM
+
+    kwargs = dict(device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
+                  max_num_seqs=max_num_seqs)
+    if not args.preset:
+        if args.tokenizer:
+            kwargs["tokenizer"] = args.tokenizer
+        return LLM(args.model, **kwargs)
+    from tandem.bench.presets import preset_config, save_preset
+
+    kwargs.update(load_format="dummy", hf_config=preset_config(args.preset))
+    if args.tokenizer:
+        save_preset(args.preset, folder, args.tokenizer)
+        return LLM(folder, tokenizer=os.path.join(folder, "tokenizer"), **kwargs)
+    return LLM(args.preset, **kwargs)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from tandem.engine import LLM, SamplingParams
+    from tandem.engine import SamplingParams
 
-    kwargs = dict(device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager)
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    kwargs["max_num_seqs"] = max(batches)
-    if args.preset:
-        from tandem.bench.presets import preset_config
-
-        kwargs.update(load_format="dummy", hf_config=preset_config(args.preset))
-    llm = LLM(args.preset or args.model, **kwargs)
+    with tempfile.TemporaryDirectory(prefix="tandem-latency-") as folder:
+        llm = build_llm(args, max(batches), folder)
     engine = llm.engine
     runner = engine.runner
     device = runner.device
     bw = copy_bandwidth(device)
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    kv_bytes_per_token = runner.block_bytes // runner.block_size
+    kv_bytes_per_token = runner.layout.block_bytes // runner.block_size
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows = []
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s; weights {weight_bytes / 2**30:.2f} GiB; "
-          f"KV {kv_bytes_per_token / 1024:.0f} KiB/token", file=sys.stderr)
+          f"KV {kv_bytes_per_token / 1024:.0f} KiB/token; tokenizer: "
+          f"{'yes' if engine.tokenizer is not None else 'none (no detokenizing)'}", file=sys.stderr)
     for batch in batches:
         params = SamplingParams(temperature=0, max_tokens=args.steps + 5, ignore_eos=True)
         lengths = [max(1, args.context + i % runner.block_size - runner.block_size // 2) for i in range(batch)]
@@ -106,49 +128,39 @@ def run(args: argparse.Namespace) -> int:
             engine.step()  # prefill everything first
         for _ in range(2):
             engine.step()  # warm up the decode path at this batch size
-        step_times, schedule_times, prepare_times, cpu_times = [], [], [], []
+        step_times, phases = [], []
         for _ in range(args.steps):
             sync()
-            c0, t0 = time.thread_time(), time.perf_counter()
-            plan = engine.scheduler.schedule()
-            t1 = time.perf_counter()
-            runner.prepare(plan)
-            t2, c2 = time.perf_counter(), time.thread_time()
-            schedule_times.append(t1 - t0)
-            prepare_times.append(t2 - t1)
-            cpu_times.append(c2 - c0)
-            # undo the probe: schedule() advanced progress; the timed step below redoes it
-            for s in plan.scheduled:
-                s.request.num_computed_tokens = s.start
-            sync()
-            t1 = time.perf_counter()
+            t0 = time.perf_counter()
             engine.step()
             sync()
-            step_times.append(time.perf_counter() - t1)
+            step_times.append(time.perf_counter() - t0)
+            phases.append(dataclasses.replace(engine.step_times))
         # KV read per step: the batch's cached tokens at the middle of the timed steps
         kv_tokens = sum(lengths) + batch * (2 + args.steps // 2)
         floor = (weight_bytes + kv_tokens * kv_bytes_per_token) / bw
         step = statistics.median(step_times)
-        host_times = [a + b for a, b in zip(schedule_times, prepare_times)]
+        host_times = [p.host for p in phases]
         rows.append({"batch": batch, "context": kv_tokens / batch, "step_ms": step * 1e3,
                      "floor_ms": floor * 1e3, "ratio": step / floor,
                      "host_ms": statistics.median(host_times) * 1e3,
                      "host_mean_ms": statistics.fmean(host_times) * 1e3,
-                     "host_cpu_ms": statistics.median(cpu_times) * 1e3,
-                     "schedule_ms": statistics.median(schedule_times) * 1e3,
-                     "prepare_ms": statistics.median(prepare_times) * 1e3,
+                     "schedule_ms": statistics.median(p.schedule for p in phases) * 1e3,
+                     "prepare_ms": statistics.median(p.prepare for p in phases) * 1e3,
+                     "update_ms": statistics.median(p.update for p in phases) * 1e3,
                      "tokens_per_s": batch / step})
         engine.abort(list(engine.scheduler.requests))
-    print(f"{'batch':>6}{'step ms':>10}{'floor ms':>10}{'ratio':>8}{'host ms':>9}{'(mean)':>8}{'(cpu)':>8}"
-          f"{'tok/s':>10}")
+    print(f"{'batch':>6}{'step ms':>10}{'floor ms':>10}{'ratio':>8}{'host ms':>9}{'(mean)':>8}"
+          f"{'sched':>8}{'prep':>8}{'update':>8}{'tok/s':>10}")
     for r in rows:
         print(f"{r['batch']:>6}{r['step_ms']:>10.2f}{r['floor_ms']:>10.2f}{r['ratio']:>8.2f}"
-              f"{r['host_ms']:>9.3f}{r['host_mean_ms']:>8.3f}{r['host_cpu_ms']:>8.3f}{r['tokens_per_s']:>10.0f}")
+              f"{r['host_ms']:>9.3f}{r['host_mean_ms']:>8.3f}{r['schedule_ms']:>8.3f}{r['prepare_ms']:>8.3f}"
+              f"{r['update_ms']:>8.3f}{r['tokens_per_s']:>10.0f}")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                        "copy_bandwidth_Bps": bw, "weight_bytes": weight_bytes, "cuda_graphs": runner.graphs is not None,
-                       "rows": rows}, f, indent=2)
+                       "tokenizer": engine.tokenizer is not None, "rows": rows}, f, indent=2)
     return 0
 
 

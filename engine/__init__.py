@@ -16,7 +16,7 @@ _EXPORTS = {
     "SchedulerConfig": "config",
     "Request": "request", "RequestFailedError": "request", "RequestStatus": "request",
     "SamplingParams": "request", "SamplingParamsError": "request", "TokenLogprob": "request",
-    "EngineStats": "llm_engine", "LLMEngine": "llm_engine", "RequestOutput": "llm_engine",
+    "EngineStats": "llm_engine", "LLMEngine": "llm_engine", "RequestOutput": "outputs",
     "AsyncLLMEngine": "async_engine", "EngineDeadError": "async_engine",
     "LLM": "llm", "CompletionOutput": "llm", "GenerateOutput": "llm",
 }

@@ -6,14 +6,12 @@ Invariants:
   handed out again: freeing does not evict, reallocation does. The free queue
   is LRU, so the least recently freed cached block is evicted first.
 - Block 0 is never handed out: padding slots may point at it harmlessly.
-- When `generations` is set (a cache other processes read, connector/direct.py),
-  generations[id] grows by one each time block id is handed out.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, MutableSequence, Optional
+from typing import Iterable, Optional
 
 BlockHash = bytes
 
@@ -41,7 +39,6 @@ class BlockPool:
             (b.block_id, b) for b in self.blocks[1:])
         self.cached: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
-        self.generations: Optional[MutableSequence[int]] = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -67,8 +64,6 @@ class BlockPool:
             if block.block_hash is not None:
                 self._evict(block)
             block.ref_cnt = 1
-            if self.generations is not None:
-                self.generations[block.block_id] += 1
             out.append(block)
         return out
 
@@ -104,6 +99,3 @@ class BlockPool:
         block.block_hash = None
         self.num_evictions += 1
 
-    def reset_prefix_cache(self) -> None:
-        for block in list(self.cached.values()):
-            self._evict(block)

@@ -40,19 +40,18 @@ class Detokenizer:
     def _decode(self) -> str:
         return self.tokenizer.decode(self.output_ids, skip_special_tokens=True)
 
-    def add(self, token_ids: list[int]) -> Optional[str]:
-        """Add tokens; returns the stop string if one appeared (text is cut there)."""
+    def add(self, token_id: int) -> Optional[str]:
+        """Add one token; returns the stop string if one appeared (text is cut there)."""
         if self.tokenizer is None or self.stopped:
             return None
         before = len(self.text)
-        self.output_ids.extend(token_ids)
+        self.output_ids.append(token_id)
         if self._stream is None:
             self.text = self._decode()
         else:
-            for t in token_ids:
-                chunk = self._stream.step(self._backend, t)
-                if chunk:
-                    self.text += chunk
+            chunk = self._stream.step(self._backend, token_id)
+            if chunk:
+                self.text += chunk
         return self._find_stop(before)
 
     def _find_stop(self, before: int) -> Optional[str]:

@@ -1,8 +1,9 @@
-"""The engine: add_request / step / abort, and the offline `LLM.generate`.
+"""The engine: add_request / step / abort.
 
 One step = schedule -> (load KV) -> run the model -> (save KV) -> sample ->
-apply stop rules -> emit outputs. All of it runs on one thread; the asyncio
-wrapper for services lives in async_engine.py.
+the scheduler's update (stop rules, text, outputs). All of it runs on one
+thread; the asyncio wrapper for services lives in async_engine.py, the
+offline `LLM.generate` in llm.py.
 """
 from __future__ import annotations
 
@@ -10,43 +11,40 @@ import copy
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence, Union
 
 from tandem.engine.config import EngineConfig
-from tandem.engine.connector.base import KVStore
+from tandem.engine.connector.base import KVConnector, KVStore
 from tandem.engine.detokenizer import Detokenizer
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.loader import ModelInfo, load_model_info
 from tandem.engine.model_runner import ModelRunner
-from tandem.engine.request import (Request, RequestFailedError, RequestStatus, SamplingParams,
-                                   SamplingParamsError, TokenLogprob)
+from tandem.engine.outputs import RequestOutput
+from tandem.engine.request import Request, SamplingParams, SamplingParamsError
+from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import Scheduler
+
+__all__ = ["EngineStats", "LLMEngine", "RequestOutput", "StepTimes"]
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class RequestOutput:
-    """What one step produced for one request (deltas), plus running totals."""
+class StepTimes:
+    """Wall seconds of the last step's phases. On a GPU the model's kernels
+    run asynchronously: `forward` is mostly launch time and `sample` waits for
+    the GPU; schedule + prepare + update is the host's own work."""
 
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    new_logprobs: list[TokenLogprob]
-    finished: bool
-    finish_reason: Optional[str]
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    num_external_tokens: int
-    block_hashes: list[str] = field(default_factory=list)
-    stop_reason: Optional[Union[str, int]] = None
-    # Set on a finished request by the connector: e.g. a DirectHandle to the
-    # prompt's blocks, which the decode engine copies (connector/direct.py).
-    kv_transfer_params: dict = field(default_factory=dict)
-    # finish_reason "error": why the engine failed this request (and only it).
-    error: Optional[RequestFailedError] = None
+    schedule: float = 0.0
+    prepare: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+    update: float = 0.0
+
+    @property
+    def host(self) -> float:
+        return self.schedule + self.prepare + self.update
 
 
 @dataclass
@@ -86,31 +84,28 @@ class LLMEngine:
         self.tokenizer = self.info.tokenizer
         self.model_id = self.info.model_id
         self.runner = ModelRunner(config, self.info)
-        block_size = config.cache.block_size
-        # The model id and dtype name the blocks: KV of another model or
-        # precision never matches, in this process or in a shared store.
-        self.hash_extra = f"{self.model_id}|{self.runner.dtype}".encode()
-        self.kv = KVCacheManager(self.runner.num_blocks, block_size,
-                                 config.cache.enable_prefix_caching, self.hash_extra)
-        capacity = (self.runner.num_blocks - 1) * block_size
+        layout = self.runner.layout
+        self.connector = self._make_connector(layout, kv_store)
+        self.runner.bind_kv_cache(self.connector.allocate_kv_cache() if self.connector else None)
+        if self.connector is not None:
+            self.connector.register_kv_cache(self.runner.kv_cache)
+        self.kv = KVCacheManager(layout.num_blocks, layout.block_size, config.cache.enable_prefix_caching,
+                                 hash_extra=layout.model_key.encode())
+        capacity = (layout.num_blocks - 1) * layout.block_size
         self.max_model_len = min(self.info.max_model_len, capacity)
         if self.max_model_len < self.info.max_model_len:
             log.warning("KV cache holds %d tokens: max_model_len lowered from %d", capacity,
                         self.info.max_model_len)
         self.runner.enable_cuda_graphs(self.max_model_len)
-        self.connector = self._make_connector(kv_store)
-        self.last_step_empty = False
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.kv, self.connector)
+        self.sampler = Sampler(self.info.hf_config.vocab_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.connector, self.max_model_len,
+                                   config.kv_hold_timeout_s)
         self.eos_token_id = self._eos_token_id()
-        self._detok: dict[str, Detokenizer] = {}
-        self._pending_first: dict[str, bool] = {}
+        self.last_step_empty = False
+        self.step_times = StepTimes()
         # Outputs produced outside a model step (a decode's first tokens that
         # came from prefill), handed out by the next step().
         self._ready: list[RequestOutput] = []
-        self._prompt_computed = 0
-        self._prompt_local_hit = 0
-        self._prompt_external = 0
-        self._generation_tokens = 0
         self._ids = itertools.count()
 
     def _eos_token_id(self) -> Optional[int]:
@@ -121,8 +116,8 @@ class LLMEngine:
             eos = self.tokenizer.eos_token_id
         return eos
 
-    def _make_connector(self, kv_store: Optional[KVStore]):
-        kind = self.config.kv_transfer
+    def _make_connector(self, layout, kv_store: Optional[KVStore]) -> Optional[KVConnector]:
+        kind, role = self.config.kv_transfer, self.config.kv_role
         if kind is None:
             return None
         if kind == "store":
@@ -131,11 +126,11 @@ class LLMEngine:
             if kv_store is None:
                 raise ValueError("kv_transfer 'store' needs a KV store: pass kv_store= (a "
                                  "tandem.services.kvstore.client.KVStoreClient, or any KVStore)")
-            return KVStoreConnector(self.config, self.kv, self.runner, kv_store)
+            return KVStoreConnector(role, layout, kv_store)
         if kind == "direct":
             from tandem.engine.connector.direct import DirectConnector
 
-            return DirectConnector(self.config, self.kv, self.runner, self.config.kv_hold_timeout_s)
+            return DirectConnector(role, layout)
         raise ValueError(f"kv_transfer must be 'store' or 'direct' (or unset), got {kind!r}")
 
     # ---- requests ------------------------------------------------------
@@ -174,27 +169,21 @@ class LLMEngine:
             raise SamplingParamsError(
                 f"max_tokens: prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"the model's context of {self.max_model_len} tokens")
-        if request_id in self.scheduler.requests or request_id in self._detok:
+        if request_id in self.scheduler.requests:
             raise SamplingParamsError(f"request_id: {request_id!r} is already in use")
         request = Request(request_id, list(prompt_token_ids), params, self.eos_token_id, arrival_time)
         if kv_transfer_params:
             request.kv_transfer_params.update(kv_transfer_params)
-        self._detok[request_id] = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
-        self._pending_first[request_id] = True
+        if self.tokenizer is not None:
+            request.detokenizer = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
         if first:
-            now, text = time.monotonic(), ""
-            for token in first:
-                out = self._append_and_check(request, token, None, now, scheduled=False)
-                text += out.new_text
-                if out.finished:
-                    break
-            out.new_token_ids, out.new_text = first[: out.num_output_tokens], text
-            self._ready.append(out)
-            if out.finished:
+            self._ready.append(self.scheduler.take_external_tokens(request, first))
+            if request.is_finished:
                 return request
         self.scheduler.add_request(request)
         if self.connector is not None:
-            self.connector.prefetch(request)
+            _, num_local_hit_tokens = self.kv.get_computed_blocks(request)
+            self.connector.prefetch(request, num_local_hit_tokens)
         return request
 
     def _check_min_tokens_leave_a_token(self, params: SamplingParams, vocab: int) -> None:
@@ -215,159 +204,79 @@ class LLMEngine:
         self._ready = [o for o in self._ready if o.request_id not in ids]
         for rid in ids:
             req = self.scheduler.abort(rid)
-            if req is not None:
-                self._forget(rid)
-                if req.num_computed_tokens < req.num_prompt_tokens:
-                    log.info("request %s aborted during its prefill, after %d of %d prompt tokens",
-                             rid, req.num_computed_tokens, req.num_prompt_tokens)
+            if req is not None and req.num_computed_tokens < req.num_prompt_tokens:
+                log.info("request %s aborted during its prefill, after %d of %d prompt tokens",
+                         rid, req.num_computed_tokens, req.num_prompt_tokens)
 
     def release_kv(self, request_id: str) -> bool:
-        """The consumer of a finished request's KV has it: the connector may
-        let the blocks go (a no-op for connectors that keep nothing)."""
-        release = getattr(self.connector, "release", None)
-        return bool(release(request_id)) if release is not None else False
+        """The consumer of a finished request's KV has it: let the blocks held
+        for it go (False when none are held: released before, or expired)."""
+        return self.scheduler.release_hold(request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self._ready) or self.scheduler.has_unfinished()
 
-    def _forget(self, request_id: str) -> None:
-        self._detok.pop(request_id, None)
-        self._pending_first.pop(request_id, None)
-        self.runner.sampler.forget(request_id)
-
     # ---- one step ------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         ready, self._ready = self._ready, []
-        plan = self.scheduler.schedule()
+        scheduler, connector, runner = self.scheduler, self.connector, self.runner
+        times, clock = self.step_times, time.perf_counter
+        t0 = clock()
+        plan = scheduler.schedule()
+        t1 = clock()
         self.last_step_empty = plan.is_empty and not ready  # e.g. every request waits on its KV fetch
         if plan.is_empty:
             return ready
+        before_layer = after_layer = None
         meta = plan.connector_meta
-        if self.connector is not None and meta is not None:
-            failed = self.connector.start_load(meta, self.runner.kv_caches)
-            for s in plan.scheduled:
-                if s.request.request_id in failed:
-                    # Slower, never wrong: compute what could not be loaded.
-                    self.scheduler.rollback_external(s, s.request.num_external_tokens)
-        for s in plan.scheduled:
-            self._count_prompt_tokens(s)
-        after_layer = None
-        if self.connector is not None and meta is not None and meta.saves:
-            after_layer = lambda layer: self.connector.save_layer(layer, self.runner.kv_caches, meta)  # noqa: E731
-        sampled, result = self.runner.execute(plan, after_layer)
+        if connector is not None and (meta.loads or meta.saves):
+            if meta.loads:
+                failed = connector.start_load(meta)
+                if failed:  # slower, never wrong: compute what could not be loaded
+                    scheduler.rollback_external(plan, failed)
+                before_layer = connector.wait_for_layer_load
+            if meta.saves:
+                after_layer = lambda layer: connector.save_layer(layer, meta)  # noqa: E731
+        t1_loaded = clock()  # the connector's loads (inside the step) count in no phase
+        batch = runner.prepare(plan)
+        t2 = clock()
+        logits = runner.forward(batch, plan, before_layer, after_layer)
         if after_layer is not None:
-            self.connector.wait_for_save()
-        now = time.monotonic()
+            connector.wait_for_save()
+        t3 = clock()
         outputs = ready
-        for i, (s, token, logprob) in enumerate(zip(sampled, result.token_ids, result.logprobs)):
-            error = result.errors.get(i)
-            if error is None:
-                try:
-                    outputs.append(self._append_and_check(s.request, token, logprob, now))
-                    continue
-                except Exception as exc:  # detokenizing or a stop rule broke on this request alone
-                    log.exception("request %s failed after sampling", s.request.request_id)
-                    error = RequestFailedError(f"the engine failed this request: {exc!r}",
-                                               caused_by_request=False)
-            outputs.append(self._fail(s.request, error))
+        if logits is not None:
+            result = self.sampler(logits, scheduler.sampling_requests)
+            t4 = clock()
+            outputs += scheduler.update(result.token_ids, result.logprobs, result.errors)
+        else:
+            t4 = t3
+        t5 = clock()
+        times.schedule, times.prepare, times.forward = t1 - t0, t2 - t1_loaded, t3 - t2
+        times.sample, times.update = t4 - t3, t5 - t4
         return outputs
-
-    def _fail(self, req: Request, error: RequestFailedError) -> RequestOutput:
-        """Finish one request with an error; its blocks go back, the engine steps on."""
-        log.warning("request %s failed: %s", req.request_id, error)
-        if not req.is_finished:
-            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-        self._forget(req.request_id)
-        return RequestOutput(
-            request_id=req.request_id, new_token_ids=[], new_text="", new_logprobs=[], finished=True,
-            finish_reason=RequestStatus.FINISHED_ERROR.value, num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=req.num_output_tokens, num_cached_tokens=req.num_cached_tokens,
-            num_external_tokens=req.num_external_tokens, error=error)
-
-    def _count_prompt_tokens(self, s) -> None:
-        req = s.request
-        if self._pending_first.get(req.request_id) and s.start == req.num_cached_tokens + req.num_external_tokens:
-            self._prompt_local_hit += req.num_cached_tokens
-            self._prompt_external += req.num_external_tokens
-        prompt_end = req.num_prompt_tokens
-        computed_prompt = max(0, min(s.start + s.num_new_tokens, prompt_end) - s.start)
-        if req.num_preemptions == 0:
-            self._prompt_computed += computed_prompt
-
-    def _append_and_check(self, req: Request, token: int, logprob: Optional[TokenLogprob],
-                          now: float, scheduled: bool = True) -> RequestOutput:
-        """Take one sampled token: stop rules, text delta, the output.
-        scheduled=False: a token sampled elsewhere, for a request not (yet) in
-        the scheduler; a stop then only marks it finished."""
-        req.append_token(token, logprob)
-        if scheduled:  # a token sampled elsewhere counts as generated there
-            self._generation_tokens += 1
-        if req.first_token_time is None:
-            req.first_token_time = now
-        params = req.params
-        detok = self._detok[req.request_id]
-        status = None
-        if (token == req.eos_token_id and not params.ignore_eos
-                and req.num_output_tokens > params.min_tokens):
-            status = RequestStatus.FINISHED_STOPPED
-        elif req.num_output_tokens > params.min_tokens and token in req.stop_token_set:
-            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
-        stop_str = detok.add([token])
-        if status is None and stop_str is not None:
-            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
-        if status is None and (req.num_output_tokens >= params.max_tokens
-                               or req.num_tokens >= self.max_model_len):
-            status = RequestStatus.FINISHED_LENGTH
-        if status is not None:
-            # The bytes of an unfinished character join the text now; a stop
-            # string they complete outranks the length limit, as it would
-            # have had they been decoded with the rest.
-            stop_str = detok.finish()
-            if stop_str is not None and status is RequestStatus.FINISHED_LENGTH:
-                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
-        # A request's first step reports its prompt's block hashes (prefill's reply).
-        first = self._pending_first.pop(req.request_id, False) if scheduled else False
-        hashes = [h.hex() for h in self.kv.block_hashes(req)[: req.num_prompt_tokens // self.kv.block_size]] if first else []
-        finished = status is not None
-        out = RequestOutput(
-            request_id=req.request_id, new_token_ids=[token], new_text=detok.delta(finished),
-            new_logprobs=[logprob] if logprob is not None else [], finished=finished,
-            finish_reason=status.value if finished else None, num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=req.num_output_tokens, num_cached_tokens=req.num_cached_tokens,
-            num_external_tokens=req.num_external_tokens, block_hashes=hashes,
-            stop_reason=req.stop_reason)
-        if finished:
-            if scheduled:
-                self.scheduler.finish(req, status)
-            else:
-                req.status = status
-            self._forget(req.request_id)
-            out.kv_transfer_params = req.kv_transfer_params
-        return out
 
     def stats(self) -> EngineStats:
         sched = self.scheduler
         waiting = list(sched.waiting_requests())
         cs = self.connector.stats if self.connector is not None else None
+        ss = sched.stats
         return EngineStats(
             num_running=len(sched.running), num_waiting=len(waiting),
             num_waiting_prompt_tokens=sum(r.num_tokens - r.num_computed_tokens for r in waiting),
             kv_cache_usage=self.kv.usage, num_free_blocks=self.kv.pool.num_free_blocks,
             num_total_blocks=self.kv.pool.num_usable_blocks,
-            prefix_cache_queries=sched.stats.prefix_cache_queries,
-            prefix_cache_hits=sched.stats.prefix_cache_hits,
-            num_preemptions=sched.stats.num_preemptions,
-            prompt_tokens_computed=self._prompt_computed,
-            prompt_tokens_local_hit=self._prompt_local_hit,
-            prompt_tokens_external=self._prompt_external,
-            generation_tokens=self._generation_tokens,
+            prefix_cache_queries=ss.prefix_cache_queries, prefix_cache_hits=ss.prefix_cache_hits,
+            num_preemptions=ss.num_preemptions, prompt_tokens_computed=ss.prompt_tokens_computed,
+            prompt_tokens_local_hit=ss.prompt_tokens_local_hit,
+            prompt_tokens_external=ss.prompt_tokens_external, generation_tokens=ss.generation_tokens,
             kv_save_bytes=cs.save_bytes if cs else 0, kv_load_bytes=cs.load_bytes if cs else 0,
             kv_save_blocks=cs.save_blocks if cs else 0, kv_load_blocks=cs.load_blocks if cs else 0,
             kv_save_seconds=cs.save_seconds if cs else 0.0, kv_load_seconds=cs.load_seconds if cs else 0.0,
             # A failed lookup (store down) and a failed load both mean the prefix
             # is computed here instead of loaded: both are recompute fallbacks.
             recompute_fallbacks=(cs.load_failures + cs.lookup_failures) if cs else 0,
-            num_held_blocks=getattr(self.connector, "num_held_blocks", 0))
+            num_held_blocks=sched.num_held_blocks)
 
     def shutdown(self) -> None:
         if self.connector is not None:

@@ -1,7 +1,10 @@
-"""Turns a scheduler plan into tensors, runs the model, samples.
+"""Turns a scheduler plan into tensors and runs the model; returns the
+logits of the plan's sampled entries (sampling is the engine's).
 
-The batch is flattened into one sequence of tokens with no padding; each
-request contributes the tokens [start, start + num_new_tokens) of its plan.
+The batch is flattened into one sequence of tokens with no padding; entry i
+contributes its tokens [num_computed_tokens[i], + num_new_tokens[i]). The
+runner reads only the plan (plain data) and its own state: the block-table
+rows it keeps per request (block_table.py) and the KV cache.
 """
 from __future__ import annotations
 
@@ -12,14 +15,13 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from tandem.engine.block_table import BlockTables
+from tandem.engine.block_table import BlockTable
 from tandem.engine.config import EngineConfig
+from tandem.engine.connector.base import KVCacheLayout
 from tandem.engine.loader import ModelInfo, load_weights
 from tandem.engine.models import LlamaFamilyForCausalLM
-from tandem.engine.models.llama import head_dim_of
-from tandem.engine.request import Request
-from tandem.engine.sampler import SampleResult, Sampler
-from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
+from tandem.engine.models.llama import LayerHook, head_dim_of
+from tandem.engine.plan import SchedulerOutput
 from tandem.kernels import AttentionMetadata
 from tandem.kernels.ops import triton_backend_selected
 
@@ -44,7 +46,6 @@ class BatchInputs:
     meta: AttentionMetadata
     # rows of the flattened batch whose logits are sampled; None: every row, in order
     logits_indices: Optional[torch.Tensor]
-    sampling: list[ScheduledRequest]
 
 
 class ModelRunner:
@@ -54,9 +55,6 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.model.dtype, self.device.type)
         hf = info.hf_config
         self.block_size = config.cache.block_size
-        self.num_layers = hf.num_hidden_layers
-        self.num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-        self.head_dim = head_dim_of(hf)
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
@@ -70,24 +68,18 @@ class ModelRunner:
             # (the token-exact tests); on a GPU fewer, larger GEMVs win.
             self.model.fuse_projections()
         self.model.eval()
-        self.sampler = Sampler(hf.vocab_size)
-        self.num_blocks = self._decide_num_blocks()
-        # One allocation for every layer: it can be exported whole to another
-        # process (the direct KV transfer) and each layer's cache is a view of it.
-        shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.shared_kv = None
-        if config.kv_transfer == "direct" and config.kv_role in ("producer", "both"):
-            from tandem.engine.connector.shared_cache import ExportedKVCache
-
-            self.shared_kv = ExportedKVCache(shape, self.dtype, self.device)
-            self.kv_cache = self.shared_kv.tensor
-        else:
-            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.kv_caches = list(self.kv_cache.unbind(0))
-        log.info("model on %s (%s), %d KV blocks of %d tokens", self.device, self.dtype,
-                 self.num_blocks, self.block_size)
+        num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        per_block = KVCacheLayout(hf.num_hidden_layers, 1, self.block_size, num_kv_heads, head_dim_of(hf),
+                                  self.dtype, self.device, model_key="").block_bytes
+        # The model id and dtype name the blocks: KV of another model or
+        # precision never matches, in this process or in a shared store.
+        self.layout = KVCacheLayout(hf.num_hidden_layers, self._decide_num_blocks(per_block), self.block_size,
+                                    num_kv_heads, head_dim_of(hf), self.dtype, self.device,
+                                    model_key=f"{info.model_id}|{self.dtype}")
+        self.kv_cache: Optional[torch.Tensor] = None  # bind_kv_cache
+        self.kv_caches: list[torch.Tensor] = []
         self.graphs = None  # set by enable_cuda_graphs once the engine knows max_model_len
-        self.block_tables = BlockTables(config.scheduler.max_num_seqs)
+        self.block_table = BlockTable(config.scheduler.max_num_seqs)
         self._arange = np.arange(config.scheduler.max_num_seqs + 1, dtype=np.int64)
         # A decode-only batch's query starts are 0..n: views of one device
         # arange, kept per batch size (a slice costs as much as a small copy).
@@ -96,6 +88,23 @@ class ModelRunner:
         # Only the torch twins read the host copies of query starts and lengths;
         # the Triton kernels take the device tensors.
         self._host_lists = not (self.device.type == "cuda" and triton_backend_selected())
+
+    @property
+    def num_blocks(self) -> int:
+        return self.layout.num_blocks
+
+    def bind_kv_cache(self, kv_cache: Optional[torch.Tensor] = None) -> None:
+        """Use `kv_cache` (a KV connector's, e.g. shared memory) or a fresh zeroed
+        one. One allocation for every layer; each layer's cache is a view of it."""
+        if kv_cache is None:
+            kv_cache = torch.zeros(self.layout.shape, dtype=self.dtype, device=self.device)
+        elif tuple(kv_cache.shape) != self.layout.shape or kv_cache.dtype != self.dtype:
+            raise ValueError(f"KV cache {tuple(kv_cache.shape)} {kv_cache.dtype} does not match the "
+                             f"layout {self.layout.shape} {self.dtype}")
+        self.kv_cache = kv_cache
+        self.kv_caches = list(kv_cache.unbind(0))
+        log.info("model on %s (%s), %d KV blocks of %d tokens", self.device, self.dtype,
+                 self.num_blocks, self.block_size)
 
     def enable_cuda_graphs(self, max_model_len: int) -> None:
         if self.device.type != "cuda" or self.config.enforce_eager:
@@ -109,13 +118,7 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.config.scheduler.max_num_seqs,
                                    max_model_len, self.block_size, self.device)
 
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one block across all layers (K and V)."""
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
-
-    def _decide_num_blocks(self) -> int:
+    def _decide_num_blocks(self, block_bytes: int) -> int:
         cache = self.config.cache
         if cache.num_blocks is not None:
             return cache.num_blocks
@@ -133,7 +136,7 @@ class ModelRunner:
             budget -= 2 * self.config.scheduler.max_num_batched_tokens * self.model.config.hidden_size * 64
         else:
             budget = cache.cpu_kv_cache_gib * 2**30
-        num = int(budget // self.block_bytes)
+        num = int(budget // block_bytes)
         if num < 2:
             raise ValueError("not enough memory for the KV cache; lower the model size or raise "
                              "gpu_memory_utilization / cpu_kv_cache_gib")
@@ -141,101 +144,82 @@ class ModelRunner:
 
     # ---- inputs --------------------------------------------------------
     def prepare(self, plan: SchedulerOutput) -> BatchInputs:
-        """The step's tensors. A few passes over the plan collect per-request
-        numbers; everything per token is whole-array numpy, and the block tables
-        are updated in place (BlockTables), so a decode step costs little per request.
-        The result is valid until the next prepare()."""
-        scheduled = plan.scheduled
-        n = len(scheduled)
+        """The step's tensors. One pass over the plan updates the block-table
+        rows; everything else is whole-array numpy, so a decode step costs
+        little per request. The result is valid until the next prepare()."""
+        n = plan.num_entries
         if n >= len(self._arange):
             self._arange = np.arange(2 * n + 1, dtype=np.int64)
-        if n and plan.num_plain_decodes == n and n < len(self._dev_arange32):
-            return self._prepare_decodes(scheduled)
         bs = self.block_size
-        tables = self.block_tables.update([s.block_ids for s in scheduled])
-        starts = np.array([s.start for s in scheduled], dtype=np.int64)
-        q_lens = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
-        num_tokens = np.array([len(s.request.all_token_ids) for s in scheduled], dtype=np.int64)
-        seq_lens = starts + q_lens
-        max_query_len = int(q_lens.max())
-        if max_query_len == 1:  # decode-only: one row per request
-            ids = [s.request.all_token_ids[s.start] for s in scheduled]
+        table = self.block_table
+        rows = table.update(plan)
+        starts = np.array(plan.num_computed_tokens, dtype=np.int64)
+        dev = self.device
+        decode_only = plan.is_decode_only
+        if decode_only:  # one row per entry
+            positions, token_rows = starts, rows
+            seq_lens = starts + 1
             query_start_loc = self._arange[: n + 1]
-            positions, seq_of_token = starts, self._arange[:n]
+            max_query_len = 1
         else:
-            ids = []
-            for s in scheduled:
-                ids.extend(s.request.all_token_ids[s.start:s.start + s.num_new_tokens])
+            q_lens = np.array(plan.num_new_tokens, dtype=np.int64)
+            seq_lens = starts + q_lens
             query_start_loc = np.zeros(n + 1, dtype=np.int64)
             np.cumsum(q_lens, out=query_start_loc[1:])
             seq_of_token = np.repeat(self._arange[:n], q_lens)
-            positions = np.arange(len(ids), dtype=np.int64) + np.repeat(starts - query_start_loc[:-1], q_lens)
-        slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        # A request samples when this step reaches its last known token.
-        sample_rows = np.flatnonzero(seq_lens == num_tokens)
-        logits_indices = query_start_loc[sample_rows + 1] - 1
-        sampling = list(scheduled) if len(sample_rows) == n else [scheduled[i] for i in sample_rows.tolist()]
-        seq_lens_cpu = seq_lens.tolist()
-        dev = self.device
-
-        def to_dev(a: np.ndarray, dtype=None) -> torch.Tensor:
-            t = torch.from_numpy(a if dtype is None else a.astype(dtype))
-            return t.to(dev, non_blocking=True)
-
-        meta = AttentionMetadata(
-            slot_mapping=to_dev(slots),
-            query_start_loc=to_dev(query_start_loc, np.int32),
-            seq_lens=to_dev(seq_lens, np.int32),
-            block_tables=to_dev(tables),
-            max_query_len=max_query_len, max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=query_start_loc.tolist(), seq_lens_cpu=seq_lens_cpu)
-        return BatchInputs(
-            input_ids=to_dev(np.array(ids, dtype=np.int64)),
-            positions=to_dev(positions),
-            meta=meta, logits_indices=to_dev(logits_indices), sampling=sampling)
-
-    def _prepare_decodes(self, scheduled: list[ScheduledRequest]) -> BatchInputs:
-        """prepare() for a batch of plain decodes (SchedulerOutput.num_plain_decodes):
-        one row per request, each at its last known token, all sampled; what
-        prepare() would build, from two passes over the plan."""
-        n = len(scheduled)
-        bs = self.block_size
-        tables = self.block_tables.update([s.block_ids for s in scheduled])
-        positions = np.array([s.start for s in scheduled], dtype=np.int64)
-        ids = np.array([s.request.all_token_ids[-1] for s in scheduled], dtype=np.int64)
-        slots = tables[self._arange[:n], positions // bs].astype(np.int64) * bs + positions % bs
-        seq_lens = (positions + 1).astype(np.int32)
-        dev = self.device
-        query_starts = self._decode_query_starts.get(n)
-        if query_starts is None:
-            query_starts = self._decode_query_starts[n] = self._dev_arange32[: n + 1]
+            positions = np.arange(len(plan.token_ids), dtype=np.int64) + np.repeat(starts - query_start_loc[:-1],
+                                                                                  q_lens)
+            token_rows = rows[seq_of_token]
+            max_query_len = int(q_lens.max())
+        slots = table.table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        block_tables = table.table[rows, : int(table.lens[rows].max())]
+        seq_lens32 = seq_lens.astype(np.int32)
+        if decode_only and n < len(self._dev_arange32):
+            query_starts = self._decode_query_starts.get(n)
+            if query_starts is None:
+                query_starts = self._decode_query_starts[n] = self._dev_arange32[: n + 1]
+        else:
+            query_starts = torch.from_numpy(query_start_loc.astype(np.int32)).to(dev, non_blocking=True)
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
             query_start_loc=query_starts,
-            seq_lens=torch.from_numpy(seq_lens).to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
-            max_query_len=1, max_seq_len=int(seq_lens.max()))
+            seq_lens=torch.from_numpy(seq_lens32).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(block_tables).to(dev, non_blocking=True),
+            max_query_len=max_query_len, max_seq_len=int(seq_lens.max()))
         if self._host_lists:
-            meta.query_start_loc_cpu = self._arange[: n + 1].tolist()
+            meta.query_start_loc_cpu = query_start_loc.tolist()
             meta.seq_lens_cpu = seq_lens.tolist()
+        # A request samples when this step reaches its last known token.
+        logits_indices = None
+        if len(plan.sampled) != len(plan.token_ids):
+            rows_sampled = query_start_loc[np.array(plan.sampled, dtype=np.int64) + 1] - 1
+            logits_indices = torch.from_numpy(rows_sampled).to(dev, non_blocking=True)
         return BatchInputs(
-            input_ids=torch.from_numpy(ids).to(dev, non_blocking=True),
+            input_ids=torch.from_numpy(np.array(plan.token_ids, dtype=np.int64)).to(dev, non_blocking=True),
             positions=torch.from_numpy(positions).to(dev, non_blocking=True),
-            meta=meta, logits_indices=None, sampling=list(scheduled))
+            meta=meta, logits_indices=logits_indices)
 
     # ---- execution -----------------------------------------------------
+    def execute(self, plan: SchedulerOutput, before_layer: Optional[LayerHook] = None,
+                after_layer: Optional[LayerHook] = None) -> Optional[torch.Tensor]:
+        """prepare() then forward(): the logits of the plan's sampled entries."""
+        return self.forward(self.prepare(plan), plan, before_layer, after_layer)
+
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput, after_layer: Optional[Callable[[int], None]] = None
-                ) -> tuple[list[ScheduledRequest], SampleResult]:
-        batch = self.prepare(plan)
-        if (self.graphs is not None and after_layer is None and batch.meta.is_decode_only
-                and self.graphs.bucket(len(plan.scheduled)) is not None):
+    def forward(self, batch: BatchInputs, plan: SchedulerOutput, before_layer: Optional[LayerHook] = None,
+                after_layer: Optional[LayerHook] = None) -> Optional[torch.Tensor]:
+        """Run the model over a prepared batch; the logits of the plan's sampled
+        entries, in order (None when none samples). The hooks run around each
+        layer (the KV connector's layer-wise loads and saves); a step with
+        hooks runs eagerly."""
+        hooked = before_layer is not None or after_layer is not None
+        if (self.graphs is not None and not hooked and batch.meta.is_decode_only
+                and self.graphs.bucket(plan.num_entries) is not None):
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
         else:
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, after_layer)
-        if not batch.sampling:
-            return [], SampleResult([], [])
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta,
+                                before_layer, after_layer)
+        if not plan.sampled:
+            return None
         rows = hidden if batch.logits_indices is None else hidden[batch.logits_indices]
-        logits = self.model.compute_logits(rows)
-        requests: list[Request] = [s.request for s in batch.sampling]
-        return batch.sampling, self.sampler(logits, requests)
+        return self.model.compute_logits(rows)

@@ -11,7 +11,10 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from tandem.engine.detokenizer import Detokenizer
 
 
 class RequestStatus(enum.Enum):
@@ -171,6 +174,12 @@ class TokenLogprob:
 
 
 class Request:
+    """One request's whole state: its tokens and progress, the KV blocks it
+    holds and their names, its text so far. It is freed by one call
+    (Scheduler.finish), and nothing else keeps state keyed by its id but the
+    runner's block-table row (dropped at the next plan) and the connector's
+    own work for it (ended by request_finished)."""
+
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_id: Optional[int] = None, arrival_time: Optional[float] = None,
                  output_token_ids: Optional[list[int]] = None) -> None:
@@ -191,13 +200,20 @@ class Request:
         self.num_external_tokens = 0  # ... and from the KV connector
         self.num_preemptions = 0
         self.stop_reason: Optional[str | int] = None
-        self.first_scheduled_time: Optional[float] = None
-        self.first_token_time: Optional[float] = None
         # Set by the connector: blocks loaded from outside must not be recomputed.
         self.kv_transfer_params: dict = {}
         # Checked for every sampled token: a set, since a client may send the whole vocabulary.
         self.stop_token_set = frozenset(params.stop_token_ids)
-        self.decode_entry = None  # the scheduler's plan entry for this request's decode steps, reused
+        # KV blocks (KVCacheManager's): the blocks held, their ids (the block
+        # table: only ever appended to while the blocks are held; freeing starts
+        # new lists), how many leading ones are named in the prefix cache, and
+        # the chained hashes of every full block of all_token_ids so far.
+        self.blocks: list = []
+        self.block_ids: list[int] = []
+        self.num_named_blocks = 0
+        self.block_hashes: list[bytes] = []
+        self.detokenizer: Optional[Detokenizer] = None  # set by the engine when it has a tokenizer
+        self.generator: Any = None  # the sampler's torch.Generator when params.seed is set
 
     # The unified progress rule: two numbers.
     @property
@@ -230,6 +246,36 @@ class Request:
         self.all_token_ids.append(token_id)
         if logprob is not None:
             self.logprobs.append(logprob)
+
+    def take_token(self, token_id: int, logprob: Optional[TokenLogprob], max_model_len: int
+                   ) -> Optional[RequestStatus]:
+        """Append a sampled token and apply the stop rules to it: EOS and stop
+        token ids (once min_tokens is reached), stop strings (the text is cut
+        there), then max_tokens and the model's context. Returns the finished
+        status, or None while the request goes on."""
+        self.append_token(token_id, logprob)
+        params = self.params
+        status = None
+        if self.num_output_tokens > params.min_tokens:
+            if token_id == self.eos_token_id and not params.ignore_eos:
+                status = RequestStatus.FINISHED_STOPPED
+            elif token_id in self.stop_token_set:
+                status, self.stop_reason = RequestStatus.FINISHED_STOPPED, token_id
+        detok = self.detokenizer
+        stop_str = detok.add(token_id) if detok is not None else None
+        if status is None and stop_str is not None:
+            status, self.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+        if status is None and (self.num_output_tokens >= params.max_tokens
+                               or self.num_tokens >= max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None and detok is not None:
+            # The bytes of an unfinished character join the text now; a stop
+            # string they complete outranks the length limit, as it would
+            # have had they been decoded with the rest.
+            stop_str = detok.finish()
+            if stop_str is not None and status is RequestStatus.FINISHED_LENGTH:
+                status, self.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+        return status
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.name}, "

@@ -50,25 +50,22 @@ def _no_probability(r: Request) -> RequestFailedError:
 class Sampler:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
-        self._generators: dict[str, torch.Generator] = {}
         self._default = torch.Generator(device="cpu")
         self._default.manual_seed(torch.initial_seed() & 0xFFFF_FFFF)
 
-    def forget(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
-
     def _generator(self, request: Request) -> torch.Generator:
+        """A seeded request's own generator (kept on the request, so it goes
+        with it), else the shared one."""
         seed = request.params.seed
         if seed is None:
             return self._default
-        g = self._generators.get(request.request_id)
-        if g is None:
-            g = torch.Generator(device="cpu")
+        if request.generator is None:
+            request.generator = torch.Generator(device="cpu")
             # manual_seed takes [-2**63, 2**64); every int64 seed fits.
-            g.manual_seed(seed)
-            self._generators[request.request_id] = g
-        return g
+            request.generator.manual_seed(seed)
+        return request.generator
 
+    @torch.inference_mode()  # the logits are the model's inference tensors; penalties edit them in place
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SampleResult:
         logits = logits[:, : self.vocab_size]
         if all(_plain_greedy(r) for r in requests):

@@ -1,4 +1,4 @@
-"""One step's plan under a token budget.
+"""One step's plan under a token budget, and the update after the step.
 
 Running requests are served before waiting ones (decodes first under FIFO;
 SRTF picks the fewest remaining tokens, which are the decodes). A prompt longer
@@ -6,80 +6,82 @@ than the remaining budget is chunked. When blocks run out, the lowest-priority
 running request is preempted by recompute: its blocks are freed and its
 num_computed_tokens drops to zero. There is no per-phase code path: every
 request advances num_computed_tokens towards num_tokens.
+
+The update step takes the sampled tokens and applies the stop rules; a
+finished request is freed by one call, finish(), which also asks the KV
+connector whether to hold its blocks for a consumer (holds are the
+scheduler's: released by release_hold() or after kv_hold_timeout_s).
 """
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Optional
+import logging
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
-from tandem.engine.config import CacheConfig, SchedulerConfig
+from tandem.engine.config import SchedulerConfig
 from tandem.engine.kv_cache_manager import KVCacheManager
-from tandem.engine.request import Request, RequestStatus
+from tandem.engine.outputs import RequestOutput
+from tandem.engine.plan import SchedulerOutput
+from tandem.engine.request import Request, RequestFailedError, RequestStatus, TokenLogprob
 
 if TYPE_CHECKING:
+    from tandem.engine.block_pool import KVCacheBlock
     from tandem.engine.connector.base import KVConnector
 
+log = logging.getLogger(__name__)
 
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    start: int  # tokens [start, start + num_new_tokens) are computed this step
-    num_new_tokens: int
-    block_ids: list[int]
-
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the last known token, so its logits are sampled."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    connector_meta: Optional[object] = None
-    # Entries that are plain decodes: one token, the request's last known one
-    # (so it samples), into a slot it already holds. When every entry is one,
-    # input preparation takes its decode path.
-    num_plain_decodes: int = 0
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+NO_BLOCK_IDS: list[int] = []  # an entry that got no new block (shared, never mutated)
 
 
 @dataclass
 class SchedulerStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the local cache
     prefix_cache_hits: int = 0
-    external_queries: int = 0
-    external_hits: int = 0
     num_preemptions: int = 0
+    # Where prompt tokens came from (requests never preempted): computed here,
+    # local prefix-cache hits, the KV connector.
+    prompt_tokens_computed: int = 0
+    prompt_tokens_local_hit: int = 0
+    prompt_tokens_external: int = 0
+    generation_tokens: int = 0  # tokens sampled here
+
+
+@dataclass
+class _Hold:
+    """A finished request's blocks, kept for a consumer (direct transfer)."""
+
+    blocks: list["KVCacheBlock"]
+    deadline: float
+    params: dict  # what the connector handed out with them
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, kv: KVCacheManager,
-                 connector: Optional["KVConnector"] = None) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 connector: Optional["KVConnector"] = None, max_model_len: int = 2**31 - 1,
+                 kv_hold_timeout_s: float = 30.0) -> None:
         if config.policy not in ("fifo", "srtf"):
             raise ValueError(f"policy must be 'fifo' or 'srtf', got {config.policy!r}")
         self.config = config
         self.kv = kv
         self.connector = connector
+        self.max_model_len = max_model_len
+        self.kv_hold_timeout_s = kv_hold_timeout_s
         self.waiting: deque[Request] = deque()
         self.staging: list[Request] = []  # two-level SRTF's second-level queue
         self.running: list[Request] = []  # in admission order; the last is preempted first
         self.requests: dict[str, Request] = {}
+        self.holds: OrderedDict[str, _Hold] = OrderedDict()  # oldest first
         self.stats = SchedulerStats()
+        self._freed: list[str] = []  # requests whose blocks went back since the last plan
+        self._sampling: list[Request] = []  # the last plan's sampled entries' requests, in order
 
     # ---- bookkeeping -------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.expire_holds()  # also here: an idle engine steps only when requests arrive
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -95,7 +97,9 @@ class Scheduler:
         yield from self.waiting
 
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """Take a request out of every queue and give its blocks back."""
+        """The one call that lets a request go: out of every queue, its blocks
+        back (or held for a consumer when the connector asks), its row in the
+        runner dropped at the next plan."""
         request.status = status
         if request in self.running:
             self.running.remove(request)
@@ -104,10 +108,14 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         if self.connector is not None:
-            # Before the blocks go back: a connector may keep some (direct transfer holds).
-            self.connector.request_finished(request)
-        self.kv.forget(request)
-        request.decode_entry = None  # it refers back to the request: no cycle left for the GC
+            hold, params = self.connector.request_finished(request, request.block_ids)
+            request.kv_transfer_params.update(params)
+            if hold > 0:
+                self.release_hold(request.request_id)  # a retried request id: its older hold goes first
+                self.holds[request.request_id] = _Hold(
+                    self.kv.hold(request, hold), time.monotonic() + self.kv_hold_timeout_s, params)
+        self.kv.free(request)
+        self._freed.append(request.request_id)
         self.requests.pop(request.request_id, None)
 
     def abort(self, request_id: str) -> Optional[Request]:
@@ -116,19 +124,52 @@ class Scheduler:
             self.finish(request, RequestStatus.FINISHED_ABORTED)
         return request
 
+    # ---- holds -------------------------------------------------------
+    def release_hold(self, request_id: str) -> bool:
+        """The consumer has the blocks (or never will): give them back."""
+        hold = self.holds.pop(request_id, None)
+        if hold is None:
+            return False
+        self.kv.release(hold.blocks)
+        if self.connector is not None:
+            self.connector.hold_released(request_id, hold.params)
+        return True
+
+    def expire_holds(self) -> None:
+        now = time.monotonic()
+        while self.holds:
+            request_id, hold = next(iter(self.holds.items()))
+            if hold.deadline > now:
+                return
+            log.warning("KV blocks of %s held %.0f s without a release: freed", request_id,
+                        self.kv_hold_timeout_s)
+            self.release_hold(request_id)
+
+    @property
+    def num_held_blocks(self) -> int:
+        return sum(len(h.blocks) for h in self.holds.values())
+
     # ---- planning ----------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self.expire_holds()
         out = SchedulerOutput()
+        self._sampling = []
         budget = self.config.max_num_batched_tokens
         if self.config.policy == "fifo":
             budget = self._schedule_running(self.running, budget, out)
-            if not out.preempted:
+            if not out.preempted_request_ids:
                 self._schedule_waiting_fifo(budget, out)
         else:
             self._schedule_srtf(budget, out)
+        out.freed_request_ids, self._freed = self._freed, []
         if self.connector is not None:
-            out.connector_meta = self.connector.build_meta(out)
+            out.connector_meta = self.connector.build_meta(out, self.requests)
         return out
+
+    @property
+    def sampling_requests(self) -> list[Request]:
+        """The requests of the last plan's sampled entries, in order."""
+        return self._sampling
 
     def _chunk(self, remaining: int, budget: int) -> int:
         n = min(remaining, budget)
@@ -136,55 +177,33 @@ class Scheduler:
             n = min(n, self.config.long_prefill_token_threshold)
         return n
 
-    def _schedule_one_running(self, request: Request, budget: int, out: SchedulerOutput) -> int:
-        """Schedule a running request, preempting others for blocks; returns tokens used."""
-        num_new = self._chunk(request.num_remaining_tokens, budget)
-        if num_new <= 0:
-            return 0
-        while self.kv.allocate_slots(request, num_new) is None:
-            victim = self._pick_victim(out)
-            self._preempt(victim, out)
-            if victim is request:
-                return 0
-        self._emit(request, num_new, out)
-        return num_new
-
     def _schedule_running(self, requests: list[Request], budget: int, out: SchedulerOutput) -> int:
-        requests = list(requests)
-        # Settled up front: a request's entry depends on its own state alone, and
-        # one that is preempted below is skipped.
-        fast = self.kv.append_slots(requests)
-        scheduled = out.scheduled
+        """Schedule running requests in order, preempting later ones for blocks;
+        returns the budget left."""
+        allocate = self.kv.allocate_slots
         running = RequestStatus.RUNNING
-        num_decodes = 0
-        for request, ids in zip(requests, fast):
+        for request in list(requests):
             if budget <= 0:
                 break
             if request.status is not running:
                 continue  # preempted earlier in this loop
-            if ids is None:
-                # At large batch the general path is mostly a decode into a new block.
-                ids = self.kv.append_block(request)
-            if ids is not None:  # a decode: most of a decode step
-                start = request.num_computed_tokens
-                request.num_computed_tokens = start + 1
-                entry = request.decode_entry
-                if entry is None:
-                    entry = request.decode_entry = ScheduledRequest(request, start, 1, ids)
-                else:
-                    entry.start = start
-                    entry.num_new_tokens = 1
-                    entry.block_ids = ids
-                scheduled.append(entry)
-                budget -= 1
-                num_decodes += 1
-            else:
-                budget -= self._schedule_one_running(request, budget, out)
-        out.num_plain_decodes += num_decodes
+            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            new_blocks = allocate(request, num_new)
+            while new_blocks is None:
+                victim = self._pick_victim(out)
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+                new_blocks = allocate(request, num_new)
+            if new_blocks is not None:
+                self._emit(request, num_new, new_blocks, out)
+                budget -= num_new
         return budget
 
     def _pick_victim(self, out: SchedulerOutput) -> Request:
-        scheduled = {s.request.request_id for s in out.scheduled}
+        scheduled = set(out.request_ids)
         for request in reversed(self.running):
             if request.request_id not in scheduled:
                 return request
@@ -193,14 +212,13 @@ class Scheduler:
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
         self.kv.free(request)
-        if self.connector is not None:
-            self.connector.request_finished(request)
+        self._freed.append(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0  # recompute from scratch (prefix cache may help)
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.appendleft(request)
-        out.preempted.append(request)
+        out.preempted_request_ids.append(request.request_id)
 
     def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> int:
         """Try to start a waiting request; returns tokens used (0: it did not fit)."""
@@ -215,20 +233,23 @@ class Scheduler:
         num_new = self._chunk(request.num_tokens - num_hit_tokens - num_external, budget)
         if num_new <= 0:
             return 0
-        if self.kv.allocate_slots(request, num_new, hits, num_external) is None:
+        added = self.kv.allocate_slots(request, num_new, hits, num_external)
+        if added is None:
             return 0
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit_tokens + num_external
         if request.num_preemptions == 0:
-            self.stats.prefix_cache_queries += request.num_tokens
-            self.stats.prefix_cache_hits += num_hit_tokens
+            stats = self.stats
+            stats.prefix_cache_queries += request.num_tokens
+            stats.prefix_cache_hits += num_hit_tokens
+            stats.prompt_tokens_local_hit += num_hit_tokens
+            stats.prompt_tokens_external += num_external
             request.num_cached_tokens = num_hit_tokens
             request.num_external_tokens = num_external
         self.running.append(request)
         if self.connector is not None:
-            self.connector.update_state_after_alloc(
-                request, self.kv.block_ids(request), num_hit_tokens, num_external)
-        self._emit(request, num_new, out)
+            self.connector.update_state_after_alloc(request, request.block_ids, num_hit_tokens, num_external)
+        self._emit(request, num_new, added, out)
         return num_new
 
     def _schedule_waiting_fifo(self, budget: int, out: SchedulerOutput) -> None:
@@ -281,14 +302,114 @@ class Scheduler:
         _, num_hit_tokens = self.kv.get_computed_blocks(request)
         return request.num_tokens - num_hit_tokens
 
-    def _emit(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
+    def _emit(self, request: Request, num_new: int, new_blocks: list, out: SchedulerOutput) -> None:
+        """Add the entry: `request` computes num_new tokens this step; progress
+        advances when scheduled."""
         start = request.num_computed_tokens
-        request.num_computed_tokens += num_new  # progress advances when scheduled
-        out.scheduled.append(ScheduledRequest(request, start, num_new, self.kv.block_ids(request)))
+        end = start + num_new
+        request.num_computed_tokens = end
+        out.request_ids.append(request.request_id)
+        out.num_computed_tokens.append(start)
+        out.num_new_tokens.append(num_new)
+        out.new_block_ids.append([b.block_id for b in new_blocks] if new_blocks else NO_BLOCK_IDS)
+        tokens = request.all_token_ids
+        if num_new == 1:
+            out.token_ids.append(tokens[start])
+        else:
+            out.token_ids.extend(tokens[start:end])
+        if end == len(tokens):  # reaches the last known token: its logits are sampled
+            out.sampled.append(len(out.request_ids) - 1)
+            self._sampling.append(request)
+        prompt_end = len(request.prompt_token_ids)
+        if start < prompt_end and request.num_preemptions == 0:
+            self.stats.prompt_tokens_computed += min(end, prompt_end) - start
 
-    def rollback_external(self, scheduled: ScheduledRequest, num_external: int) -> None:
-        """A KV load failed: compute those tokens instead. The blocks are already
-        allocated for them, so only the plan's start moves back."""
-        scheduled.start -= num_external
-        scheduled.num_new_tokens += num_external
-        scheduled.request.num_external_tokens = 0
+    def rollback_external(self, plan: SchedulerOutput, failed: set[str]) -> None:
+        """A KV load failed for these requests: compute the tokens it was to
+        bring instead. Their blocks are already allocated for them, so only the
+        plan's starts (and its token list) move back."""
+        tokens: list[int] = []
+        for i, request_id in enumerate(plan.request_ids):
+            request = self.requests[request_id]
+            start, num_new = plan.num_computed_tokens[i], plan.num_new_tokens[i]
+            if request_id in failed and request.num_external_tokens:
+                moved = request.num_external_tokens
+                start, num_new = start - moved, num_new + moved
+                plan.num_computed_tokens[i], plan.num_new_tokens[i] = start, num_new
+                if request.num_preemptions == 0:
+                    self.stats.prompt_tokens_external -= moved
+                    self.stats.prompt_tokens_computed += moved
+                request.num_external_tokens = 0
+            tokens.extend(request.all_token_ids[start:start + num_new])
+        plan.token_ids = tokens
+
+    # ---- the update step ---------------------------------------------
+    def update(self, token_ids: Sequence[int], logprobs: Sequence[Optional[TokenLogprob]],
+               errors: dict[int, RequestFailedError]) -> list[RequestOutput]:
+        """Take the tokens sampled for the last plan's sampled entries (in the
+        order of sampling_requests): stop rules, text, outputs; finished
+        requests are let go. errors[i]: sampling failed for entry i's request,
+        which fails alone."""
+        outputs: list[RequestOutput] = []
+        for i, (request, token, logprob) in enumerate(zip(self._sampling, token_ids, logprobs)):
+            error = errors.get(i)
+            if error is None:
+                try:
+                    outputs.append(self._take_token(request, token, logprob))
+                    continue
+                except Exception as exc:  # detokenizing or a stop rule broke on this request alone
+                    log.exception("request %s failed after sampling", request.request_id)
+                    error = RequestFailedError(f"the engine failed this request: {exc!r}",
+                                               caused_by_request=False)
+            outputs.append(self.fail(request, error))
+        self._sampling = []
+        return outputs
+
+    def _take_token(self, request: Request, token: int, logprob: Optional[TokenLogprob]) -> RequestOutput:
+        status = request.take_token(token, logprob, self.max_model_len)
+        self.stats.generation_tokens += 1
+        detok = request.detokenizer
+        text = detok.delta(status is not None) if detok is not None else ""
+        out = _output(request, [token], text, [logprob] if logprob is not None else [], status)
+        if status is not None:
+            self.finish(request, status)
+        return out
+
+    def take_external_tokens(self, request: Request, token_ids: list[int]) -> RequestOutput:
+        """Tokens sampled elsewhere (a prefill's first token), for a request not
+        yet added: the same stop rules and text as sampled ones, counted as
+        generated there. A stop only marks the request finished (it holds
+        nothing yet); the output carries the tokens taken."""
+        status = None
+        taken: list[int] = []
+        text = ""
+        for token in token_ids:
+            status = request.take_token(token, None, self.max_model_len)
+            taken.append(token)
+            if request.detokenizer is not None:
+                text += request.detokenizer.delta(status is not None)
+            if status is not None:
+                request.status = status
+                break
+        return _output(request, taken, text, [], status)
+
+    def fail(self, request: Request, error: RequestFailedError) -> RequestOutput:
+        """Finish one request with an error; its blocks go back, the engine steps on."""
+        log.warning("request %s failed: %s", request.request_id, error)
+        if not request.is_finished:
+            self.finish(request, RequestStatus.FINISHED_ERROR)
+        out = _output(request, [], "", [], RequestStatus.FINISHED_ERROR)
+        out.error = error
+        return out
+
+
+def _output(request: Request, token_ids: list[int], text: str, logprobs: list,
+            status: Optional[RequestStatus]) -> RequestOutput:
+    finished = status is not None
+    return RequestOutput(
+        request_id=request.request_id, new_token_ids=token_ids, new_text=text, new_logprobs=logprobs,
+        finished=finished, finish_reason=status.value if finished else None,
+        num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
+        num_cached_tokens=request.num_cached_tokens, num_external_tokens=request.num_external_tokens,
+        stop_reason=request.stop_reason,
+        kv_transfer_params=request.kv_transfer_params if finished else {})

@@ -1,34 +1,51 @@
 """The KV connector: the seam between an engine and KV that lives elsewhere.
 
-Scheduler side (decides, on the engine thread):
-  prefetch(request) -> start fetching the request's stored blocks in the
-      background, so the step that admits it does not wait on the store;
+A connector gets narrow dependencies: its role, the KV cache's layout
+(KVCacheLayout) and, for a store, a KVStore the service injects. It never
+sees the block pool, the runner or the scheduler. Everything the engine calls
+is on the KVConnector ABC below; the scheduler side decides (on the engine
+thread), the worker side moves bytes, and the step's ConnectorMeta (built by
+build_meta) is the only channel between them: it carries the whole worker
+job, so the worker side reads no private state of the scheduler side.
+
+Scheduler side:
+  prefetch(request, num_local_hit_tokens) -> start fetching in the background;
   is_ready(request) -> False while that fetch runs (the request waits);
   get_num_new_matched_tokens(request, num_local_hit_tokens) -> how many more
-      prompt tokens, beyond the local prefix-cache hits, the store can supply
-      (whole blocks; at least one token is always left to compute);
+      prompt tokens, beyond the local prefix-cache hits, the connector can
+      supply (whole blocks; at least one token is always left to compute);
   update_state_after_alloc(request, block_ids, num_local_hit_tokens, num_external_tokens)
-      -> remember which fresh blocks to fill;
-  build_meta(plan) -> what the worker must load and save this step;
-  request_finished(request) -> forget per-request state.
-Worker side (moves bytes):
-  start_load(meta, kv_caches) -> request ids whose load failed (they recompute);
-  wait_for_layer_load(layer);
-  save_layer(layer, kv_caches, meta) -> called as soon as a layer wrote its K/V;
-  wait_for_save() -> every save of this step is stored (or failed and counted).
+      -> the request got blocks: remember which to fill;
+  build_meta(plan, requests) -> this step's whole worker job;
+  request_finished(request, block_ids) -> (hold, params): the request leaves
+      for good (finished or aborted, once); the scheduler keeps its first
+      `hold` blocks for a consumer until release or timeout, and params go to
+      the request's output (e.g. a handle to those blocks);
+  hold_released(request_id, params) -> the scheduler let such a hold go.
+Worker side:
+  allocate_kv_cache() -> the cache tensor, when the connector must own its
+      memory (e.g. shared with another process); None: a plain allocation;
+  register_kv_cache(kv_cache) -> the cache the worker side reads and writes;
+  start_load(meta) -> request ids whose load failed (they recompute);
+  wait_for_layer_load(layer) -> called before layer `layer` reads its cache;
+  save_layer(layer, meta) -> called as soon as layer `layer` wrote its K/V;
+  wait_for_save() -> every save of this step is done (or failed and counted).
 Prefill engines save; decode engines load; "both" does both.
+
+Invariant the scheduler keeps: when a scheduler-side method is called,
+request.block_hashes names every full block of the request's known tokens.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Mapping, Optional, Protocol, Sequence
 
 import torch
 
 if TYPE_CHECKING:
+    from tandem.engine.plan import SchedulerOutput
     from tandem.engine.request import Request
-    from tandem.engine.scheduler import SchedulerOutput
 
 
 class KVStore(Protocol):
@@ -47,17 +64,45 @@ class KVStore(Protocol):
     def close(self) -> None: ...
 
 
-@dataclass
-class BlockTransfer:
-    request_id: str
-    block_ids: list[int]
-    block_hashes: list[bytes]
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """The engine's KV cache as a connector needs to know it: one tensor
+    [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    # Names the blocks' content beside their tokens (model id and dtype): KV of
+    # another model or precision never loads.
+    model_key: str
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """One block of one layer: [2, block_size, num_kv_heads, head_dim]."""
+        return (2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across all layers (K and V)."""
+        return (2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
+                * self.dtype.itemsize)
 
 
 @dataclass
 class ConnectorMeta:
-    loads: list[BlockTransfer] = field(default_factory=list)
-    saves: list[BlockTransfer] = field(default_factory=list)
+    """One step's worker job. Each connector subclasses it with its own load
+    and save entries; the engine only asks whether there is work."""
+
+    loads: list = field(default_factory=list)
+    saves: list = field(default_factory=list)
 
 
 @dataclass
@@ -74,8 +119,13 @@ class ConnectorStats:
 
 
 class KVConnector(ABC):
-    stats: ConnectorStats
-    role: str = "both"  # "producer" (prefill), "consumer" (decode) or "both"
+    def __init__(self, role: str, layout: KVCacheLayout) -> None:
+        if role not in ("producer", "consumer", "both"):
+            raise ValueError(f"kv_role must be producer, consumer or both, got {role!r}")
+        self.role = role
+        self.layout = layout
+        self.stats = ConnectorStats()
+        self.kv_cache: Optional[torch.Tensor] = None  # set by register_kv_cache
 
     @property
     def produces(self) -> bool:
@@ -87,9 +137,9 @@ class KVConnector(ABC):
         """Takes KV in from elsewhere instead of computing it."""
         return self.role in ("consumer", "both")
 
-    # scheduler side
-    def prefetch(self, request: "Request") -> None:
-        """A request arrived: start fetching what the store holds for it in the
+    # ---- scheduler side ------------------------------------------------
+    def prefetch(self, request: "Request", num_local_hit_tokens: int) -> None:
+        """A request arrived: start fetching what lies outside for it in the
         background (optional; the default fetches at load time, inside the step)."""
 
     def is_ready(self, request: "Request") -> bool:
@@ -105,23 +155,38 @@ class KVConnector(ABC):
                                  num_local_hit_tokens: int, num_external_tokens: int) -> None: ...
 
     @abstractmethod
-    def build_meta(self, plan: "SchedulerOutput") -> ConnectorMeta: ...
+    def build_meta(self, plan: "SchedulerOutput", requests: Mapping[str, "Request"]) -> ConnectorMeta:
+        """The worker job of this plan; `requests` maps the plan's request ids
+        to their requests (read them, keep nothing)."""
 
-    def request_finished(self, request: "Request") -> None:
-        pass
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[int, dict]:
+        """The request leaves for good; returns (how many of its leading blocks
+        the scheduler holds for a consumer, params for its output)."""
+        return 0, {}
 
-    # worker side
+    def hold_released(self, request_id: str, params: dict) -> None:
+        """The scheduler gave back the blocks it held for this request."""
+
+    # ---- worker side ---------------------------------------------------
+    def allocate_kv_cache(self) -> Optional[torch.Tensor]:
+        """The KV cache tensor (layout.shape, zeroed) when this connector must own
+        its memory; None: the runner allocates it."""
+        return None
+
+    def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+
     @abstractmethod
-    def start_load(self, meta: ConnectorMeta, kv_caches: list[torch.Tensor]) -> set[str]: ...
+    def start_load(self, meta: ConnectorMeta) -> set[str]: ...
 
     def wait_for_layer_load(self, layer: int) -> None:
-        pass
+        """Loads that finish layer by layer wait here; start_load's are whole."""
 
-    @abstractmethod
-    def save_layer(self, layer: int, kv_caches: list[torch.Tensor], meta: ConnectorMeta) -> None: ...
+    def save_layer(self, layer: int, meta: ConnectorMeta) -> None:
+        """Layer `layer` has written this step's K/V (a producer's hook)."""
 
-    @abstractmethod
-    def wait_for_save(self) -> None: ...
+    def wait_for_save(self) -> None:
+        """Every save of this step is done or failed (a producer's hook)."""
 
     def close(self) -> None:
         pass

@@ -1,18 +1,24 @@
 """Direct KV transfer between a prefill and a decode process on one host.
 
-The prefill engine's cache is shared memory (shared_cache.py). When a
-prompt finishes there, the connector keeps a reference on its full blocks
-("holds" them) and describes them in a DirectHandle: the cache's export,
-the block ids and their generation counters. The router passes the handle
-to the decode engine, whose connector copies those blocks from the mapped
-cache into blocks of its own inside the step that admits the request (one
-device-to-device copy per layer on a GPU), then checks the generations: a
-block the prefill handed out again meanwhile fails the check and the
+The prefill engine's cache is shared memory (shared_cache.py), which this
+connector allocates (allocate_kv_cache). When a prompt finishes there, the
+connector asks the scheduler to hold the request's blocks and describes the
+prompt's full blocks in a DirectHandle: the cache's export, the block ids and
+their generation counters. The router passes the handle to the decode
+engine, whose connector copies those blocks from the mapped cache into blocks
+of its own inside the step that admits the request (one device-to-device copy
+per layer on a GPU), then checks the generations: a block whose last hold
+ended meanwhile may have been handed out again, fails the check, and the
 request computes that part itself.
 
+A block's generation grows by one each time the last hold on it ends (the
+connector counts its holds per block): while any hold on a block lasts, the
+pool cannot hand it out, so an unchanged generation after the copy means the
+bytes copied were the prompt's.
+
 The router releases a hold once the decode has streamed its first message
-(the copy is done by then); `hold_timeout_s` releases holds nobody claims,
-e.g. when the router died. Holds always end on the engine thread.
+(the copy is done by then); the scheduler's hold timeout releases holds nobody
+claims, e.g. when the router died. Holds always end on the engine thread.
 
 Across hosts the export cannot be opened: the decode logs it once and
 computes the prompt itself (slower, never wrong).
@@ -21,19 +27,21 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Mapping, Optional
 
+import numpy as np
 import torch
 
-from tandem.engine.connector.base import BlockTransfer, ConnectorMeta, ConnectorStats, KVConnector
-from tandem.engine.connector.shared_cache import KVExport, OpenedKVCache, dtype_name, open_export
+from tandem.engine.connector.base import ConnectorMeta, KVCacheLayout, KVConnector
+from tandem.engine.connector.shared_cache import (ExportedKVCache, KVExport, OpenedKVCache, dtype_name,
+                                                  open_export)
 from tandem.engine.request import RequestStatus
 
 log = logging.getLogger(__name__)
 
 HANDLE_KEY = "direct"  # the handle's key in Request.kv_transfer_params
+UNREACHABLE_KEY = "direct_unreachable"  # set there once a handle could not be opened (counted once)
 SOURCE_IDLE_S = 120.0  # a prefill's mapped cache unused this long is unmapped
 
 
@@ -48,84 +56,65 @@ class DirectHandle:
 
 
 @dataclass
-class _Hold:
-    blocks: list  # KVCacheBlock
-    deadline: float
+class DirectLoad:
+    """Copy blocks `src` of a prefill's mapped cache into this engine's blocks `dst`."""
 
-
-@dataclass
-class _Copy:
+    request_id: str
     source: OpenedKVCache  # held here, so unmapping an idle source never breaks a planned copy
     src: list[int]
     dst: list[int]
-    expected: list[int] = field(default_factory=list)
+    expected: list[int] = field(default_factory=list)  # the generations of `src` in the handle
+
+
+@dataclass
+class DirectMeta(ConnectorMeta):
+    loads: list[DirectLoad] = field(default_factory=list)
 
 
 class DirectConnector(KVConnector):
-    def __init__(self, config, kv, runner, hold_timeout_s: float = 30.0) -> None:
-        self.role = config.kv_role
-        self.kv = kv
-        self.runner = runner
-        self.block_size = kv.block_size
-        self.hold_timeout_s = hold_timeout_s
-        self.stats = ConnectorStats()
-        self._holds: OrderedDict[str, _Hold] = OrderedDict()  # oldest first
+    def __init__(self, role: str, layout: KVCacheLayout) -> None:
+        super().__init__(role, layout)
+        self.block_size = layout.block_size
         self._opened: dict[str, Optional[OpenedKVCache]] = {}  # export name -> mapping (None: unreachable)
         self._last_used: dict[str, float] = {}
-        self._pending: dict[str, _Copy] = {}  # admitted, not yet planned
-        self._planned: dict[str, _Copy] = {}  # in this step's meta
-        if self.produces:
-            if runner.shared_kv is None:
-                raise ValueError("the direct connector's producer needs the runner's shared KV cache")
-            self.export = runner.shared_kv.export
-            kv.pool.generations = runner.shared_kv.generations
+        self._admitted: list[DirectLoad] = []  # loads of the schedule() under way
+        self._shared: Optional[ExportedKVCache] = None  # a producer's cache
+        self._holds_per_block: Optional[np.ndarray] = None
 
-    @property
-    def num_held_blocks(self) -> int:
-        return sum(len(h.blocks) for h in self._holds.values())
+    # ---- producer: the shared cache, handles and generations -------------
+    def allocate_kv_cache(self) -> Optional[torch.Tensor]:
+        if not self.produces:
+            return None
+        layout = self.layout
+        self._shared = ExportedKVCache(layout.shape, layout.dtype, layout.device)
+        self._holds_per_block = np.zeros(layout.num_blocks, dtype=np.int64)
+        return self._shared.tensor
 
-    # ---- producer: holds ------------------------------------------------
-    def request_finished(self, request) -> None:
-        rid = request.request_id
-        self._pending.pop(rid, None)
-        self._planned.pop(rid, None)
-        # Only a prompt that finished normally is handed on (not a preemption or an abort).
+    def request_finished(self, request, block_ids: list[int]) -> tuple[int, dict]:
+        # Only a prompt that finished normally is handed on (not an abort or an error).
         if not self.produces or request.status not in (RequestStatus.FINISHED_STOPPED,
                                                        RequestStatus.FINISHED_LENGTH):
-            return
-        n = request.num_prompt_tokens // self.block_size
-        blocks = self.kv.req_to_blocks.get(rid, [])[:n]
-        if not blocks:
-            return
-        self.release(rid)  # a retried request id: its older hold goes first
-        self.kv.pool.touch(blocks)
-        self._holds[rid] = _Hold(blocks, time.monotonic() + self.hold_timeout_s)
-        ids = [b.block_id for b in blocks]
-        gens = self.kv.pool.generations
-        request.kv_transfer_params[HANDLE_KEY] = DirectHandle(
-            self.export, self.kv.hash_extra.decode(), ids, [int(gens[i]) for i in ids])
+            return 0, {}
+        ids = list(block_ids[: request.num_prompt_tokens // self.block_size])
+        if not ids:
+            return 0, {}
+        self._holds_per_block[ids] += 1
+        gens = self._shared.generations
+        handle = DirectHandle(self._shared.export, self.layout.model_key, ids, [int(gens[i]) for i in ids])
+        return len(ids), {HANDLE_KEY: handle}
 
-    def release(self, request_id: str) -> bool:
-        """The decode copied the blocks (or never will): drop the hold."""
-        hold = self._holds.pop(request_id, None)
-        if hold is None:
-            return False
-        self.kv.pool.free(reversed(hold.blocks))
-        return True
-
-    def _expire_holds(self) -> None:
-        now = time.monotonic()
-        while self._holds:
-            rid, hold = next(iter(self._holds.items()))
-            if hold.deadline > now:
-                return
-            log.warning("KV blocks of %s held %.0f s without a release: freed", rid, self.hold_timeout_s)
-            self.release(rid)
+    def hold_released(self, request_id: str, params: dict) -> None:
+        handle: Optional[DirectHandle] = params.get(HANDLE_KEY)
+        if handle is None:
+            return
+        ids = np.asarray(handle.block_ids, dtype=np.int64)
+        self._holds_per_block[ids] -= 1
+        # No hold is left on these: the pool may hand them out now, and a copy
+        # still to come must see that.
+        free = ids[self._holds_per_block[ids] == 0]
+        self._shared.generations[free] += 1
 
     # ---- consumer: copies -----------------------------------------------
-    def prefetch(self, request) -> None:
-        self._expire_holds()  # also runs here: an idle engine steps only when requests arrive
-
     def _source(self, handle: DirectHandle) -> Optional[OpenedKVCache]:
         name = handle.export.generations_shm
         self._last_used[name] = time.monotonic()
@@ -140,22 +129,22 @@ class DirectConnector(KVConnector):
         return self._opened[name]
 
     def _check_layout(self, handle: DirectHandle) -> None:
-        own = self.runner.kv_cache
-        if handle.model != self.kv.hash_extra.decode():
+        own = self.layout
+        if handle.model != own.model_key:
             raise ValueError(f"KV of another model or dtype ({handle.model!r})")
-        theirs = handle.export.shape
-        if theirs[:2] + theirs[3:] != tuple(own.shape[:2] + own.shape[3:]) or \
+        theirs = tuple(handle.export.shape)
+        if theirs[:2] + theirs[3:] != own.shape[:2] + own.shape[3:] or \
                 handle.export.dtype != dtype_name(own.dtype):
             raise ValueError(f"cache layout {theirs} {handle.export.dtype} does not match this engine's "
-                             f"{tuple(own.shape)} {own.dtype}")
+                             f"{own.shape} {own.dtype}")
 
     def get_num_new_matched_tokens(self, request, num_local_hit_tokens: int) -> int:
         handle: Optional[DirectHandle] = request.kv_transfer_params.get(HANDLE_KEY)
         if handle is None or not self.consumes:
             return 0
         if self._source(handle) is None:
-            if not request.kv_transfer_params.get("direct_failed"):
-                request.kv_transfer_params["direct_failed"] = True
+            if not request.kv_transfer_params.get(UNREACHABLE_KEY):
+                request.kv_transfer_params[UNREACHABLE_KEY] = True
                 self.stats.load_failures += 1
             return 0
         last = min(len(handle.block_ids), (request.num_tokens - 1) // self.block_size)
@@ -168,9 +157,9 @@ class DirectConnector(KVConnector):
         handle: DirectHandle = request.kv_transfer_params[HANDLE_KEY]
         first = num_local_hit_tokens // self.block_size
         last = first + num_external_tokens // self.block_size
-        self._pending[request.request_id] = _Copy(
-            self._source(handle), handle.block_ids[first:last], list(block_ids[first:last]),
-            handle.generations[first:last])
+        self._admitted.append(DirectLoad(
+            request.request_id, self._source(handle), handle.block_ids[first:last],
+            list(block_ids[first:last]), handle.generations[first:last]))
 
     def _close_idle_sources(self) -> None:
         # A prefill that restarted exports a new cache under a new name; the old
@@ -181,56 +170,41 @@ class DirectConnector(KVConnector):
             self._opened.pop(name, None)
             self._last_used.pop(name, None)
 
-    def build_meta(self, plan) -> ConnectorMeta:
-        self._expire_holds()
+    def build_meta(self, plan, requests: Mapping) -> DirectMeta:
         self._close_idle_sources()
-        meta = ConnectorMeta()
-        for s in plan.scheduled:
-            rid = s.request.request_id
-            copy = self._pending.pop(rid, None)
-            if copy is not None:
-                self._planned[rid] = copy
-                meta.loads.append(BlockTransfer(rid, copy.dst, []))
+        meta = DirectMeta(loads=self._admitted)
+        self._admitted = []
         return meta
 
-    def start_load(self, meta: ConnectorMeta, kv_caches: list[torch.Tensor]) -> set[str]:
+    def start_load(self, meta: DirectMeta) -> set[str]:
         if not meta.loads:
             return set()
         started = time.monotonic()
-        copies = [(t.request_id, self._planned.pop(t.request_id)) for t in meta.loads]
-        dst_cache = self.runner.kv_cache
-        for _, c in copies:
-            src_cache = c.source.tensor
-            src = torch.tensor(c.src, device=src_cache.device)
-            dst = torch.tensor(c.dst, device=dst_cache.device)
+        dst_cache = self.kv_cache
+        for load in meta.loads:
+            src_cache = load.source.tensor
+            src = torch.tensor(load.src, device=src_cache.device)
+            dst = torch.tensor(load.dst, device=dst_cache.device)
             for layer in range(dst_cache.shape[0]):  # per layer: a temporary of one layer's blocks only
                 dst_cache[layer][:, dst] = src_cache[layer][:, src].to(dst_cache.device)
         if dst_cache.device.type == "cuda":
             torch.cuda.current_stream(dst_cache.device).synchronize()  # the copies are done before the check
         failed: set[str] = set()
-        for rid, c in copies:
-            gens = c.source.generations
-            if [int(gens[i]) for i in c.src] != c.expected:
-                log.warning("KV blocks of %s were reused by the prefill before the copy: recomputing", rid)
+        for load in meta.loads:
+            gens = load.source.generations
+            if [int(gens[i]) for i in load.src] != load.expected:
+                log.warning("KV blocks of %s were released by the prefill before the copy: recomputing",
+                            load.request_id)
                 self.stats.load_failures += 1
-                failed.add(rid)
+                failed.add(load.request_id)
                 continue
-            self.stats.load_blocks += len(c.src)
-            self.stats.load_bytes += len(c.src) * self.runner.block_bytes
+            self.stats.load_blocks += len(load.src)
+            self.stats.load_bytes += len(load.src) * self.layout.block_bytes
         self.stats.load_seconds += time.monotonic() - started
         return failed
 
-    # ---- nothing to save: the prefill's cache is the transfer buffer ----
-    def save_layer(self, layer: int, kv_caches: list[torch.Tensor], meta: ConnectorMeta) -> None:
-        pass
-
-    def wait_for_save(self) -> None:
-        pass
-
     def close(self) -> None:
-        for rid in list(self._holds):
-            self.release(rid)
         self._opened.clear()
         self._last_used.clear()
-        if self.runner.shared_kv is not None:
-            self.runner.shared_kv.close()
+        if self._shared is not None:
+            self._shared.close()

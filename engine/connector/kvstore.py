@@ -11,11 +11,11 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
-from tandem.engine.connector.base import BlockTransfer, ConnectorMeta, ConnectorStats, KVConnector, KVStore
+from tandem.engine.connector.base import ConnectorMeta, KVCacheLayout, KVConnector, KVStore
 from tandem.engine.connector.serialization import decode_blocks_into, encode_block
 
 log = logging.getLogger(__name__)
@@ -46,41 +46,62 @@ class Prefetched:
         return len(self.hashes)
 
 
+@dataclass
+class StoreLoad:
+    """Blocks to copy into this engine's cache: from `prefetched` (a
+    background fetch, from its block `offset` on) or, when None, fetched
+    from the store inside the step."""
+
+    request_id: str
+    block_ids: list[int]  # where they go in this engine's cache
+    block_hashes: list[bytes]
+    prefetched: Optional[Prefetched] = None
+    offset: int = 0
+
+
+@dataclass
+class StoreSave:
+    """Prompt blocks that are full after this step: put every layer of them."""
+
+    request_id: str
+    block_ids: list[int]
+    block_hashes: list[bytes]
+
+
+@dataclass
+class StoreMeta(ConnectorMeta):
+    loads: list[StoreLoad] = field(default_factory=list)
+    saves: list[StoreSave] = field(default_factory=list)
+
+
 class KVStoreConnector(KVConnector):
-    def __init__(self, config, kv, runner, store: KVStore) -> None:
+    def __init__(self, role: str, layout: KVCacheLayout, store: KVStore) -> None:
+        super().__init__(role, layout)
         self.client = store
-        self.role = config.kv_role
-        self.kv = kv
-        self.block_size = kv.block_size
-        self.num_layers = runner.num_layers
-        self.dtype = runner.dtype
-        self.block_shape = (2, self.block_size, runner.num_kv_heads, runner.head_dim)
-        self.stats = ConnectorStats()
-        self._pending_loads: dict[str, BlockTransfer] = {}
-        # Background fetches (decode and prefill alike): request id -> future of
-        # Prefetched; and, once admitted, request id -> (result, offset of the
-        # first block to load within it).
+        self.block_size = layout.block_size
+        self.num_layers = layout.num_layers
+        # Background fetches (decode and prefill alike): request id -> future of Prefetched.
         self._loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-prefetch")
         self._prefetches: dict[str, Future] = {}
-        self._from_prefetch: dict[str, tuple[Prefetched, int]] = {}
+        # Loads of requests admitted by the schedule() under way: build_meta moves them into the meta.
+        self._admitted: list[StoreLoad] = []
         # One thread: layers are put in order, which the presence rule relies on.
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-save")
         self._saves: list[Future] = []
         self._save_started = 0.0
 
     # ---- scheduler side ------------------------------------------------
-    def prefetch(self, request) -> None:
+    def prefetch(self, request, num_local_hit_tokens: int) -> None:
         """Look up and fetch the request's stored blocks on a loader thread, so
         the step that admits it copies from memory instead of waiting on the
         store while every running request waits too."""
         if not self.consumes:
             return
-        hashes = list(self.kv.block_hashes(request))
-        _, num_local_hit_tokens = self.kv.get_computed_blocks(request)
         first = num_local_hit_tokens // self.block_size
         last = (request.num_tokens - 1) // self.block_size  # leave one token to compute
         if last > first:
-            self._prefetches[request.request_id] = self._loader.submit(self._fetch, first, hashes[first:last])
+            self._prefetches[request.request_id] = self._loader.submit(
+                self._fetch, first, list(request.block_hashes[first:last]))
 
     def is_ready(self, request) -> bool:
         fut = self._prefetches.get(request.request_id)
@@ -117,7 +138,7 @@ class KVStoreConnector(KVConnector):
                 raise KeyError("evicted from the store between lookup and load")
             n = len(hashes)
             for layer in range(self.num_layers):
-                blocks = torch.empty((n, *self.block_shape), dtype=self.dtype)
+                blocks = torch.empty((n, *self.layout.block_shape), dtype=self.layout.dtype)
                 decode_blocks_into(payloads[layer * n:(layer + 1) * n], blocks, layer)
                 out.layers.append(blocks)
             out.num_bytes = sum(len(p) for p in payloads)
@@ -148,11 +169,11 @@ class KVStoreConnector(KVConnector):
         if not self.consumes:
             return 0
         first = num_local_hit_tokens // self.block_size
+        last = (request.num_tokens - 1) // self.block_size  # leave one token to compute
         fut = self._prefetches.get(request.request_id)
         if fut is not None and fut.done():
             result = self._prefetched(request, first)
             if result is not None:
-                last = (request.num_tokens - 1) // self.block_size
                 return (min(result.first_block + result.num_blocks, last) - first) * self.block_size
             looked = fut.result()
             if looked.failure is not None or looked.first_block <= first:
@@ -160,9 +181,7 @@ class KVStoreConnector(KVConnector):
                 # down): compute, do not ask again inside the step.
                 return 0
         # No prefetch, or local hits shrank below where it started: ask now.
-        hashes = self.kv.block_hashes(request)
-        last = (request.num_tokens - 1) // self.block_size  # leave one token to compute
-        candidates = hashes[first:last]
+        candidates = request.block_hashes[first:last]
         if not candidates:
             return 0
         try:
@@ -180,70 +199,66 @@ class KVStoreConnector(KVConnector):
         if num_external_tokens <= 0:
             return
         last = first + num_external_tokens // self.block_size
-        hashes = self.kv.block_hashes(request)
-        self._pending_loads[request.request_id] = BlockTransfer(
-            request.request_id, block_ids[first:last], hashes[first:last])
+        load = StoreLoad(request.request_id, list(block_ids[first:last]), request.block_hashes[first:last])
         if result is not None:
-            self._from_prefetch[request.request_id] = (result, first - result.first_block)
+            load.prefetched, load.offset = result, first - result.first_block
+        self._admitted.append(load)
 
-    def build_meta(self, plan) -> ConnectorMeta:
-        meta = ConnectorMeta()
-        for s in plan.scheduled:
-            rid = s.request.request_id
-            load = self._pending_loads.pop(rid, None)
-            if load is not None:
-                meta.loads.append(load)
-            if self.produces:
-                # prompt blocks that become complete in this step
-                end = min(s.start + s.num_new_tokens, s.request.num_prompt_tokens)
-                first, last = s.start // self.block_size, end // self.block_size
-                if last > first:
-                    hashes = self.kv.block_hashes(s.request)
-                    meta.saves.append(BlockTransfer(rid, s.block_ids[first:last], hashes[first:last]))
+    def build_meta(self, plan, requests: Mapping) -> StoreMeta:
+        meta = StoreMeta(loads=self._admitted)
+        self._admitted = []
+        if not self.produces:
+            return meta
+        bs = self.block_size
+        for request_id, start, num_new in zip(plan.request_ids, plan.num_computed_tokens, plan.num_new_tokens):
+            request = requests[request_id]
+            # prompt blocks that become complete in this step
+            end = min(start + num_new, request.num_prompt_tokens)
+            first, last = start // bs, end // bs
+            if last > first:
+                meta.saves.append(StoreSave(request_id, request.block_ids[first:last],
+                                            request.block_hashes[first:last]))
         return meta
 
-    def request_finished(self, request) -> None:
-        rid = request.request_id
-        self._pending_loads.pop(rid, None)
-        self._from_prefetch.pop(rid, None)
-        fut = self._prefetches.pop(rid, None)
+    def request_finished(self, request, block_ids) -> tuple[int, dict]:
+        fut = self._prefetches.pop(request.request_id, None)
         if fut is not None:
             fut.cancel()  # a fetch already running finishes; its result is dropped
+        return 0, {}
 
     # ---- worker side ---------------------------------------------------
-    def start_load(self, meta: ConnectorMeta, kv_caches: list[torch.Tensor]) -> set[str]:
+    def start_load(self, meta: StoreMeta) -> set[str]:
         failed: set[str] = set()
-        for t in meta.loads:
-            prefetched = self._from_prefetch.pop(t.request_id, None)
-            if prefetched is None:  # not fetched in the background: fetch now, inside the step
-                prefetched = (self._load(0, t.block_hashes), 0)
-                if prefetched[0].failure is not None:
-                    failed.add(t.request_id)
+        for load in meta.loads:
+            if load.prefetched is None:  # not fetched in the background: fetch now, inside the step
+                load.prefetched = self._load(0, load.block_hashes)
+                if load.prefetched.failure is not None:
+                    failed.add(load.request_id)
                     self.stats.load_failures += 1
                     continue
-            self._copy_prefetched(t, *prefetched, kv_caches)
+            self._copy_in(load)
         return failed
 
-    def _copy_prefetched(self, t: BlockTransfer, result: Prefetched, offset: int,
-                         kv_caches: list[torch.Tensor]) -> None:
-        k = len(t.block_ids)
-        assert result.hashes[offset:offset + k] == t.block_hashes, "prefetch does not match the load"
-        ids = torch.tensor(t.block_ids, device=kv_caches[0].device)
-        for layer, cache in enumerate(kv_caches):
+    def _copy_in(self, load: StoreLoad) -> None:
+        result, offset, k = load.prefetched, load.offset, len(load.block_ids)
+        assert result.hashes[offset:offset + k] == load.block_hashes, "prefetch does not match the load"
+        cache = self.kv_cache
+        ids = torch.tensor(load.block_ids, device=cache.device)
+        for layer in range(self.num_layers):
             blocks = result.layers[layer][offset:offset + k].transpose(0, 1)  # [2, k, bs, H, D]
-            cache[:, ids] = blocks.to(cache.device, non_blocking=True)
+            cache[layer][:, ids] = blocks.to(cache.device, non_blocking=True)
         self.stats.load_blocks += k
         self.stats.load_bytes += result.num_bytes * k // result.num_blocks
         self.stats.load_seconds += result.seconds * k / result.num_blocks
 
-    def save_layer(self, layer: int, kv_caches: list[torch.Tensor], meta: ConnectorMeta) -> None:
+    def save_layer(self, layer: int, meta: StoreMeta) -> None:
         if layer == 0:
             self._save_started = time.monotonic()
         items = []
-        for t in meta.saves:
+        for save in meta.saves:
             # Copy now: the encoding runs on the saver thread while later layers compute.
-            blocks = kv_caches[layer][:, t.block_ids].transpose(0, 1).to("cpu", copy=True)
-            items.extend((block_key(h, layer), blocks[j]) for j, h in enumerate(t.block_hashes))
+            blocks = self.kv_cache[layer][:, save.block_ids].transpose(0, 1).to("cpu", copy=True)
+            items.extend((block_key(h, layer), blocks[j]) for j, h in enumerate(save.block_hashes))
         if items:
             self._saves.append(self._saver.submit(self._put, items, layer))
 

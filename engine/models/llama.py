@@ -212,16 +212,21 @@ class LlamaFamilyForCausalLM(nn.Module):
             layer.mlp.fuse()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, after_layer: Optional[LayerHook] = None) -> torch.Tensor:
+                meta: AttentionMetadata, before_layer: Optional[LayerHook] = None,
+                after_layer: Optional[LayerHook] = None) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] of a flattened batch.
 
-        after_layer(i) runs once layer i has written its K/V: the KV connector
-        saves layer by layer so the transfer overlaps the remaining layers.
+        before_layer(i) runs before layer i reads its cache (a KV connector
+        waits there for that layer's loads); after_layer(i) once layer i has
+        written its K/V (the connector saves layer by layer, so the transfer
+        overlaps the remaining layers).
         """
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb.cos_sin(positions, hidden.dtype)
         residual = None
         for i, layer in enumerate(self.model.layers):
+            if before_layer is not None:
+                before_layer(i)
             hidden, residual = layer(hidden, residual, cos, sin, kv_caches[i], meta)
             if after_layer is not None:
                 after_layer(i)

@@ -62,12 +62,9 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
         # Token ids only: the decode engine turns them into text and applies
         # the stop rules, so the text equals a colocated engine's.
         reply.first_token_id = last.new_token_ids[0]
-        reply.block_hashes.extend(last.block_hashes)
         reply.num_prompt_tokens = last.num_prompt_tokens
         reply.num_cached_tokens = last.num_cached_tokens
         reply.num_external_tokens = last.num_external_tokens
-        reply.num_computed_tokens = (last.num_prompt_tokens - last.num_cached_tokens
-                                     - last.num_external_tokens)
         handle = handle_to_proto(last.kv_transfer_params)
         if handle is not None:
             reply.kv_handle.CopyFrom(handle)

@@ -118,7 +118,7 @@ def test_a_load_inside_the_step_still_works(model_dir, store):
     producer.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=1))
     first = run_to_end(producer, "p")
     consumer = engine(model_dir, store.target, "consumer")
-    consumer.connector.prefetch = lambda request: None
+    consumer.connector.prefetch = lambda request, num_local_hit_tokens: None
     consumer.add_request("r", prompt, GREEDY, first_token_ids=first)
     got = run_to_end(consumer, "r")  # decode's first output carries the prefill's token
     assert consumer.connector.stats.load_blocks == 3

@@ -37,7 +37,7 @@ def _run(tokenizer, ids: list[int], stop: list[str], backend: bool):
     detok = Detokenizer(_Counting(tokenizer, backend), stop)
     deltas, stopped_at, stop_str = [], None, None
     for i, t in enumerate(ids):
-        stop_str = detok.add([t])
+        stop_str = detok.add(t)
         last = stop_str is not None or i == len(ids) - 1
         if last and stop_str is None:
             stop_str = detok.finish()
@@ -83,7 +83,7 @@ def test_a_split_character_is_held_back_until_it_is_whole(tokenizer):
     assert len(ids) > 1
     detok = Detokenizer(tokenizer, [])
     for t in ids[:-1]:
-        detok.add([t])
+        detok.add(t)
         assert detok.delta(False) == ""
-    detok.add(ids[-1:])
+    detok.add(ids[-1])
     assert detok.delta(False) == "🍕"

@@ -1,7 +1,7 @@
 """The direct KV transfer at engine level (CPU, shared memory): a decode
 engine copies a prefill engine's blocks out of its shared cache and answers
-exactly as an engine that computed the whole prompt; a block reused before
-the copy, an unreachable cache or another model's cache fall back to
+exactly as an engine that computed the whole prompt; a block no longer held
+when it is copied, an unreachable cache or another model's cache fall back to
 computing; holds end on release or timeout and no block leaks.
 
 Both engines run in this process here (the shared-memory segment is opened by
@@ -87,7 +87,7 @@ def test_decode_copies_the_prefills_blocks_and_answers_the_same(model_dir, prefi
     assert stats.prompt_tokens_external == 4 * BLOCK
     assert stats.prompt_tokens_computed == len(PROMPT) - 4 * BLOCK  # only the tail
     # The prefill holds the blocks until released; then every block is free again.
-    assert prefill.connector.num_held_blocks == prefill.stats().num_held_blocks == 4
+    assert prefill.scheduler.num_held_blocks == prefill.stats().num_held_blocks == 4
     assert prefill.release_kv("r1") and not prefill.release_kv("r1")
     assert prefill.kv.pool.num_free_blocks == free_at_start
     assert decode.kv.pool.num_free_blocks == decode.kv.pool.num_usable_blocks
@@ -106,11 +106,27 @@ def test_a_block_reused_before_the_copy_is_recomputed(model_dir, prefill, refere
     assert stats.prompt_tokens_computed == len(PROMPT)
 
 
-def test_a_released_but_unused_block_still_loads(model_dir, prefill, reference):
+def test_a_block_whose_hold_ended_is_not_read(model_dir, prefill, reference):
+    # Once no hold covers a block the pool may hand it out: its generation
+    # moves on, and a copy that comes later recomputes, reused or not.
     decode = engine(model_dir, "direct", "consumer")
     tokens, _ = decode_after(prefill, decode, release_first=True)
     assert tokens == reference
-    assert decode.stats().kv_load_blocks == 4  # nobody took the blocks: their generations still match
+    assert decode.stats().kv_load_blocks == 0 and decode.stats().recompute_fallbacks == 1
+
+
+def test_a_block_still_held_for_another_request_loads(model_dir, prefill, reference):
+    # Two prompts share their blocks (a prefix-cache hit): releasing one hold
+    # leaves the other's blocks held, so its copy still loads them.
+    first, out = run(prefill, "r1", PROMPT, 1)
+    _, again = run(prefill, "r2", PROMPT, 1)
+    assert again.kv_transfer_params[HANDLE_KEY].block_ids == out.kv_transfer_params[HANDLE_KEY].block_ids
+    assert prefill.release_kv("r1")
+    decode = engine(model_dir, "direct", "consumer")
+    tokens, _ = run(decode, "r2", PROMPT, MAX_NEW, first_token_ids=first,
+                    kv_transfer_params=again.kv_transfer_params)
+    assert tokens == reference
+    assert decode.stats().kv_load_blocks == 4 and decode.stats().recompute_fallbacks == 0
 
 
 @pytest.mark.parametrize("spoil", ["unreachable", "other model"])
@@ -134,9 +150,9 @@ def test_unclaimed_holds_expire(model_dir):
     try:
         free_at_start = prefill.kv.pool.num_free_blocks
         run(prefill, "r1", PROMPT, 1)
-        assert prefill.connector.num_held_blocks == 4
+        assert prefill.scheduler.num_held_blocks == 4
         run(prefill, "r2", [5, 6, 7], 1)  # the next request's arrival ends the expired hold
-        assert prefill.connector.num_held_blocks == 0
+        assert prefill.scheduler.num_held_blocks == 0
         assert prefill.kv.pool.num_free_blocks == free_at_start
     finally:
         prefill.shutdown()
@@ -147,7 +163,7 @@ def test_aborted_and_preempted_requests_hold_nothing(model_dir):
     try:
         prefill.add_request("r1", PROMPT, greedy(1))
         prefill.abort("r1")
-        assert prefill.connector.num_held_blocks == 0
+        assert prefill.scheduler.num_held_blocks == 0
         assert prefill.kv.pool.num_free_blocks == prefill.kv.pool.num_usable_blocks
     finally:
         prefill.shutdown()

@@ -1,9 +1,10 @@
 """Scheduler invariants, driven step by step without a model: the plan says
-which tokens are computed; a stand-in sampler appends one token per sampling
-request (the real scheduler, the real KV cache manager)."""
+which tokens are computed; a stand-in sampler hands the real update step one
+token per sampling request (the real scheduler, the real KV cache manager,
+the real stop rules)."""
 import itertools
 
-from tandem.engine.config import CacheConfig, SchedulerConfig
+from tandem.engine.config import SchedulerConfig
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.request import Request, RequestStatus, SamplingParams
 from tandem.engine.scheduler import Scheduler
@@ -13,8 +14,7 @@ _ids = itertools.count()
 
 def make(num_blocks=64, budget=64, policy="fifo", caching=True, max_num_seqs=256):
     kv = KVCacheManager(num_blocks, 16, caching)
-    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, policy=policy, max_num_seqs=max_num_seqs),
-                     CacheConfig(), kv)
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, policy=policy, max_num_seqs=max_num_seqs), kv)
 
 
 def request(n_prompt, max_tokens=4, tokens=None):
@@ -26,13 +26,17 @@ def step(sched: Scheduler):
     """One engine step minus the model; returns the plan."""
     plan = sched.schedule()
     assert plan.num_scheduled_tokens <= sched.config.max_num_batched_tokens
-    for s in plan.scheduled:
-        assert s.request.num_computed_tokens <= s.request.num_tokens
-        if s.samples:
-            s.request.append_token(7)
-            if s.request.num_output_tokens >= s.request.params.max_tokens:
-                sched.finish(s.request, RequestStatus.FINISHED_LENGTH)
+    for request_id in plan.request_ids:
+        request = sched.requests[request_id]
+        assert request.num_computed_tokens <= request.num_tokens
+    n = len(sched.sampling_requests)
+    sched.update([7] * n, [None] * n, {})
     return plan
+
+
+def entries(plan):
+    """(request id, tokens computed) of each entry."""
+    return list(zip(plan.request_ids, plan.num_new_tokens))
 
 
 def run_all(sched, limit=1000):
@@ -61,8 +65,7 @@ def test_running_decodes_are_scheduled_before_waiting_prefills():
     b = request(100)
     sched.add_request(b)
     plan = step(sched)
-    assert plan.scheduled[0].request is a and plan.scheduled[0].num_new_tokens == 1
-    assert plan.scheduled[1].request is b and plan.scheduled[1].num_new_tokens == 39
+    assert entries(plan) == [(a.request_id, 1), (b.request_id, 39)]
 
 
 def test_no_block_leaks_after_finish_and_abort():
@@ -90,8 +93,10 @@ def test_preemption_by_recompute_resets_progress_and_finishes_everything():
         if not sched.has_unfinished():
             break
         plan = step(sched)
-        for p in plan.preempted:
+        for request_id in plan.preempted_request_ids:
+            p = sched.requests[request_id]
             assert p.num_computed_tokens == 0 and p.status is RequestStatus.PREEMPTED
+            assert request_id in plan.freed_request_ids  # the runner drops its row
             preempted.append(p)
         assert all(b.ref_cnt >= 0 for b in sched.kv.pool.blocks)
     assert preempted, "the cache was sized to force preemption"
@@ -108,11 +113,13 @@ def test_prefix_cache_hit_reuses_blocks_instead_of_recomputing():
     assert first.num_scheduled_tokens == 66
     b = request(0, tokens=shared + [8, 8, 8])
     sched.add_request(b)
-    plan = step(sched)
-    computed_for_b = [s.num_new_tokens for s in plan.scheduled if s.request is b]
+    plan = sched.schedule()
+    computed_for_b = [n for rid, n in entries(plan) if rid == b.request_id]
     assert computed_for_b == [3], "64 shared tokens come from the cache"
     assert b.num_cached_tokens == 64
-    assert sched.kv.req_to_blocks[a.request_id][:4] == sched.kv.req_to_blocks[b.request_id][:4]
+    assert a.block_ids[:4] == b.block_ids[:4]
+    i = plan.request_ids.index(b.request_id)
+    assert plan.new_block_ids[i] == b.block_ids  # a new request's entry names all its blocks
 
 
 def test_full_prompt_hit_still_computes_the_last_token():
@@ -123,7 +130,7 @@ def test_full_prompt_hit_still_computes_the_last_token():
     again = request(0, tokens=tokens, max_tokens=1)
     sched.add_request(again)
     plan = step(sched)
-    assert plan.scheduled[0].num_new_tokens == 16  # one block hit; the last block computes its logits
+    assert plan.num_new_tokens == [16]  # one block hit; the last block computes its logits
 
 
 def test_srtf_prefers_the_shortest_remaining_prompt():
@@ -132,7 +139,7 @@ def test_srtf_prefers_the_shortest_remaining_prompt():
     sched.add_request(long)
     sched.add_request(short)
     plan = step(sched)
-    assert plan.scheduled[0].request is short
+    assert plan.request_ids[0] == short.request_id
 
 
 def test_srtf_never_starves_a_long_prompt():

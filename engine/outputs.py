@@ -1,0 +1,29 @@
+"""What the engine hands back for each request after a step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from tandem.engine.request import RequestFailedError, TokenLogprob
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request (deltas), plus running totals."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[TokenLogprob]
+    finished: bool
+    finish_reason: Optional[str]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    num_external_tokens: int
+    stop_reason: Optional[Union[str, int]] = None
+    # Set on a finished request by the connector: e.g. a DirectHandle to the
+    # prompt's blocks, which the decode engine copies (connector/direct.py).
+    kv_transfer_params: dict = field(default_factory=dict)
+    # finish_reason "error": why the engine failed this request (and only it).
+    error: Optional[RequestFailedError] = None

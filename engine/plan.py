@@ -1,0 +1,50 @@
+"""The plan of one engine step: plain data from the scheduler to the model runner.
+
+Entry i says: request `request_ids[i]` computes `num_new_tokens[i]` tokens,
+from position `num_computed_tokens[i]` on (tokens before it are in the KV
+cache). The runner keeps a persistent block-table row per request; an entry
+carries only the block ids its request got since it was last planned (all of
+them when it is new, or resumed after a preemption), and `freed_request_ids`
+names the requests whose blocks went back since the last plan, so the runner
+drops their rows before it reads the entries. Nothing here refers to a
+Request object: the plan can be copied to another process as it is (tensor
+parallel workers).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class SchedulerOutput:
+    request_ids: list[str] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    # The tokens computed this step, entries concatenated in order: the model's input ids.
+    token_ids: list[int] = field(default_factory=list)
+    # Entries whose step reaches their request's last known token, in order:
+    # their logits are sampled.
+    sampled: list[int] = field(default_factory=list)
+    freed_request_ids: list[str] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+    # The KV connector's whole job for this step (loads, saves), or None.
+    connector_meta: Optional[object] = None
+
+    @property
+    def num_entries(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.request_ids
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every entry computes one token (one row per request)."""
+        return len(self.token_ids) == len(self.request_ids)
