@@ -71,7 +71,8 @@ def test_a_hub_id_is_told_how_to_download(tmp_path):
 def test_banner_curl_lets_the_shell_expand_the_api_key(capsys):
     import argparse
 
-    from tandem.services.launcher import Child, _print_banner
+    from tandem.services.launcher.children import Child
+    from tandem.services.launcher.up import _print_banner
 
     router_child = Child(name="router", role="router", argv=[], log_path="", address="127.0.0.1:8000")
     _print_banner(router_child, "127.0.0.1:50051", argparse.Namespace(api_key=["k"]), "m",

@@ -31,6 +31,18 @@ def no_tandem_env(monkeypatch):
             monkeypatch.delenv(key)
 
 
+def test_every_engine_flag_is_in_the_roles_help_with_its_env_twin():
+    from tandem.services.prefill.server import add_arguments
+
+    p = argparse.ArgumentParser(prog="tandem serve prefill")
+    add_arguments(p)
+    text = " ".join(p.format_help().split())  # unwrapped
+    for spec in flag_specs(EngineArgs):
+        assert spec.flag in text and f"[env {spec.env}]" in text, spec.flag
+        if spec.default is not None and spec.type is not bool:
+            assert f"(default: {spec.default}) [env {spec.env}]" in text, spec.flag
+
+
 def test_fields_that_are_no_flags_stay_out_of_the_parser():
     assert {"hf_config", "kv_role", "seed"}.isdisjoint(EngineArgs.cli_fields())
     assert {"model", "kv_transfer", "kv_store", "attention_backend"} <= set(EngineArgs.cli_fields())
