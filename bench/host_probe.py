@@ -19,6 +19,9 @@ import statistics
 import sys
 import time
 
+from tandem.bench.presets import PRESET_DECIDES, with_preset
+from tandem.engine.config import KV_TRANSFER_FIELDS, EngineArgs
+
 
 def probe(engine, batch: int, steps: int) -> dict[str, float]:
     """Median seconds of each piece over `steps` decode steps at this batch size."""
@@ -87,20 +90,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tandem.bench.host_probe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="llama-3-8b", help="dummy weights of this architecture")
-    parser.add_argument("--batch-sizes", default="1,256", help="comma-separated (default 1,256)")
+    parser.add_argument("--batch-sizes", default="1,256",
+                        help="comma-separated (default 1,256); the largest is the engine's --max-num-seqs")
     parser.add_argument("--steps", type=int, default=25, help="decode steps timed per batch size")
-    parser.add_argument("--device", default="auto")
+    EngineArgs.add_cli_args(parser, skip=(*PRESET_DECIDES, "max_num_seqs", *KV_TRANSFER_FIELDS))
     args = parser.parse_args(argv)
     try:
         batches = [int(b) for b in args.batch_sizes.split(",")]
     except ValueError:
         parser.error(f"--batch-sizes: expected comma-separated integers, got {args.batch_sizes!r}")
 
-    from tandem.bench.presets import preset_config
     from tandem.engine import LLM
 
-    llm = LLM(args.preset, load_format="dummy", hf_config=preset_config(args.preset),
-              max_num_seqs=max(batches), device=args.device)
+    engine_args = EngineArgs.from_cli_args(args, max_num_seqs=max(batches))
+    llm = LLM.from_engine_args(with_preset(engine_args, args.preset))
     for batch in batches:
         medians = probe(llm.engine, batch, args.steps)
         print(f"batch {batch}: " + ", ".join(f"{k} {v * 1e6:.0f}" for k, v in medians.items()), flush=True)

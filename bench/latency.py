@@ -22,6 +22,8 @@ import statistics
 import sys
 import time
 
+from tandem.engine.config import KV_TRANSFER_FIELDS, EngineArgs
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -33,16 +35,15 @@ def register(subparsers) -> None:
                     "and preparing inputs per step: wall time (median and mean) and the "
                     "thread's CPU time (median); the JSON also splits the wall time into "
                     "schedule and prepare.")
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--preset", default=None, help="dummy weights: llama-3-8b, qwen3-0.6b")
-    p.add_argument("--batch-sizes", default="1,8,64,256", help="comma-separated (default 1,8,64,256)")
+    p.add_argument("--preset", default=None,
+                   help="dummy weights of this architecture instead of --model: llama-3-8b, qwen3-0.6b")
+    p.add_argument("--batch-sizes", default="1,8,64,256",
+                   help="comma-separated (default 1,8,64,256); the largest is the engine's --max-num-seqs")
     p.add_argument("--context", type=int, default=512,
                    help="mean prompt tokens per sequence (default 512)")
     p.add_argument("--steps", type=int, default=30, help="decode steps timed per batch size")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--output-json", default=None)
+    EngineArgs.add_cli_args(p, skip=("max_num_seqs", *KV_TRANSFER_FIELDS))
     p.set_defaults(handler=run)
 
 
@@ -79,14 +80,11 @@ def run(args: argparse.Namespace) -> int:
 
     from tandem.engine import LLM, SamplingParams
 
-    kwargs = dict(device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager)
-    batches = [int(b) for b in args.batch_sizes.split(",")]
-    kwargs["max_num_seqs"] = max(batches)
-    if args.preset:
-        from tandem.bench.presets import preset_config
+    from tandem.bench.presets import with_preset
 
-        kwargs.update(load_format="dummy", hf_config=preset_config(args.preset))
-    llm = LLM(args.preset or args.model, **kwargs)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    engine_args = EngineArgs.from_cli_args(args, max_num_seqs=max(batches))
+    llm = LLM.from_engine_args(with_preset(engine_args, args.preset))
     engine = llm.engine
     runner = engine.runner
     device = runner.device
