@@ -82,3 +82,20 @@ def test_banner_curl_lets_the_shell_expand_the_api_key(capsys):
     expanded = subprocess.run(["bash", "-c", f"printf '%s|' {header}"], capture_output=True, text=True,
                               env=dict(os.environ, TANDEM_API_KEY="s3cret")).stdout
     assert expanded == "-H|Authorization: Bearer s3cret|"
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_store_without_its_address_is_an_error_before_the_model_loads(role):
+    result = tandem("serve", role, "--port", "0", "--metrics-port", "0", "--kv-transfer", "store")
+    assert_one_line_error(result, "error: --kv-transfer store needs --kv-store HOST:PORT")
+
+
+def test_the_old_kv_flags_are_gone():
+    result = tandem("serve", "decode", "--kv-direct")
+    assert result.returncode == 2 and "unrecognized arguments: --kv-direct" in result.stderr
+
+
+def test_up_checks_engine_settings_before_starting_anything(tmp_path):
+    result = up("--block-size", "0", "--log-dir", str(tmp_path))
+    assert_one_line_error(result, "error: --block-size: must be above 0, got 0")
+    assert list(tmp_path.iterdir()) == []
