@@ -7,8 +7,6 @@ vars no role understands, PromQL naming series no service exports.
 """
 from __future__ import annotations
 
-import argparse
-import importlib
 import json
 import os
 
@@ -21,8 +19,8 @@ import helm_python as helm  # noqa: E402
 
 from tandem.services.common.metrics import ALL_METRIC_NAMES, HISTOGRAM_NAMES  # noqa: E402
 from tests.support.helm import (  # noqa: E402
-    CHART, MODELS, NAMESPACE, Manifest, adapter_rules, chart_promql, metric_family,
-    promql_metric_names, render, scaling_queries, to_model,
+    CHART, MODELS, NAMESPACE, Manifest, adapter_rules, by_kind, chart_promql, container, env_of,
+    metric_family, promql_metric_names, render, role_parser, scaling_queries, to_model,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -62,19 +60,6 @@ VARIANTS = {
 @pytest.fixture(scope="module")
 def rendered() -> dict[str, tuple[list[Manifest], str]]:
     return {name: render(values) for name, values in VARIANTS.items()}
-
-
-def by_kind(manifests: list[Manifest], kind: str) -> dict[str, Manifest]:
-    return {m.name: m for m in manifests if m.kind == kind}
-
-
-def container(deployment: Manifest) -> dict:
-    (c,) = deployment.doc["spec"]["template"]["spec"]["containers"]
-    return c
-
-
-def env_of(deployment: Manifest) -> dict[str, str]:
-    return {e["name"]: e.get("value") for e in container(deployment)["env"]}
 
 
 # --- Helm itself -----------------------------------------------------------------------
@@ -274,13 +259,6 @@ def test_pvc_model_tls_and_no_prefill_tier(rendered):
     assert api_key["valueFrom"] == {"secretKeyRef": {"name": "tandem-keys", "key": "api-keys"}}
 
 
-def _role_parser(role: str) -> argparse.ArgumentParser:
-    module = importlib.import_module(f"tandem.services.{role}.server")
-    parser = argparse.ArgumentParser(prog=f"tandem serve {role}")
-    module.add_arguments(parser)
-    return parser
-
-
 @pytest.mark.parametrize("variant", ["default", "redis", "keda", "pvc-tls-no-prefill", "gpu"])
 def test_every_role_accepts_the_env_the_chart_sets(rendered, variant, monkeypatch):
     """Each TANDEM_* variable is a real flag's env twin with a value the flag
@@ -291,7 +269,7 @@ def test_every_role_accepts_the_env_the_chart_sets(rendered, variant, monkeypatc
         if d.role not in ROLES:
             continue
         env = {k: v for k, v in env_of(d).items() if k.startswith("TANDEM_")}
-        twins = {env_name(opt) for action in _role_parser(d.role)._actions
+        twins = {env_name(opt) for action in role_parser(d.role)._actions
                  for opt in action.option_strings if opt.startswith("--")}
         assert set(env) <= twins, (d.role, sorted(set(env) - twins))
         for key in list(os.environ):
@@ -300,114 +278,11 @@ def test_every_role_accepts_the_env_the_chart_sets(rendered, variant, monkeypatc
         for key, value in env.items():
             # From a Secret (valueFrom): any value; the flag exists, checked above.
             monkeypatch.setenv(key, value if value is not None else "secret")
-        args = _role_parser(d.role).parse_args([])
+        args = role_parser(d.role).parse_args([])
         assert args.host == "0.0.0.0" and args.port == container(d)["ports"][0]["containerPort"]
         if variant == "keda" and d.role == "decode":  # user env reaches the flags, typed
             assert (args.max_model_len, args.max_num_seqs) == (2048, 64)
             assert env_of(d)["HF_HUB_OFFLINE"] == "1"
-
-
-# --- engine settings (engineArgs) -------------------------------------------------------
-
-# Settings the chart takes elsewhere: every role, the router too, serves `model`.
-CHART_OWNED = {"model"}
-SCHEMA_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}
-
-
-def engine_args_schema() -> dict:
-    """What values.schema.json must say under <role>.engineArgs.properties:
-    one entry per engine flag, typed as the flag parses it."""
-    from tandem.engine.config import EngineArgs
-    from tandem.engine.flags import flag_specs
-
-    props = {}
-    for spec in flag_specs(EngineArgs):
-        if spec.name in CHART_OWNED:
-            continue
-        kind = SCHEMA_TYPES[spec.type]
-        props[spec.name] = ({"enum": list(spec.choices)} if spec.choices
-                            else {"type": [kind, "null"] if spec.optional else kind})
-    return props
-
-
-@pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_engine_args_in_the_schema_are_exactly_the_engine_flags(role):
-    """Adding an EngineArgs flag without the chart fails here."""
-    schema = json.loads((CHART / "values.schema.json").read_text())
-    section = schema["properties"][role]["properties"]["engineArgs"]
-    assert section["additionalProperties"] is False
-    expected = engine_args_schema()
-    assert section["properties"] == expected, (
-        f"helm/tandem/values.schema.json, {role}.engineArgs.properties should be:\n"
-        + json.dumps(expected, indent=2))
-
-
-def _sample(spec):
-    """A value other than the default that the flag parses."""
-    if spec.type is bool:
-        return not spec.default
-    if spec.choices:
-        return [c for c in spec.choices if c != spec.default][-1]
-    return {int: 1000000, float: 0.25, str: "x"}[spec.type]  # 1000000: written as 1e+06 by toString
-
-
-@pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_every_engine_arg_reaches_the_engine_as_set(role, monkeypatch):
-    """A value under <role>.engineArgs becomes its env twin in the pod and
-    parses, with the role's own parser, to that value."""
-    from tandem.engine.config import EngineArgs
-    from tandem.engine.flags import flag_specs
-
-    specs = [s for s in flag_specs(EngineArgs) if s.name not in CHART_OWNED | {"kv_transfer", "kv_store"}]
-    values = {s.name: _sample(s) for s in specs}
-    manifests, _ = render({role: {"engineArgs": values}})
-    env = {k: v for k, v in env_of(by_kind(manifests, "Deployment")[f"demo-tandem-{role}"]).items()
-           if k.startswith("TANDEM_")}
-    for key in list(os.environ):
-        if key.startswith("TANDEM_"):
-            monkeypatch.delenv(key)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    parsed = EngineArgs.from_cli_args(_role_parser(role).parse_args([]))
-    assert {name: getattr(parsed, name) for name in values} == values
-    assert (parsed.kv_transfer, parsed.kv_store) == ("store", "demo-tandem-kvstore:50081")
-
-
-def test_engine_args_turn_the_store_off_or_point_elsewhere():
-    off = env_of(by_kind(render({"decode": {"engineArgs": {"kv_transfer": "none"}}})[0],
-                         "Deployment")["demo-tandem-decode"])
-    assert off["TANDEM_KV_TRANSFER"] == "none" and "TANDEM_KV_STORE" not in off
-    elsewhere = env_of(by_kind(render({"decode": {"engineArgs": {"kv_store": "store.svc:50081"}}})[0],
-                               "Deployment")["demo-tandem-decode"])
-    assert elsewhere["TANDEM_KV_STORE"] == "store.svc:50081"
-
-
-def test_role_env_wins_over_engine_args_which_win_over_global_env():
-    manifests, _ = render({"env": {"TANDEM_MAX_NUM_SEQS": 8, "TANDEM_BLOCK_SIZE": 8},
-                           "decode": {"engineArgs": {"max_num_seqs": 64, "block_size": 32},
-                                      "env": {"TANDEM_BLOCK_SIZE": 64}}})
-    env = env_of(by_kind(manifests, "Deployment")["demo-tandem-decode"])
-    assert (env["TANDEM_MAX_NUM_SEQS"], env["TANDEM_BLOCK_SIZE"]) == ("64", "64")
-    assert [e["name"] for e in container(by_kind(manifests, "Deployment")["demo-tandem-decode"])["env"]
-            ].count("TANDEM_BLOCK_SIZE") == 1
-
-
-@pytest.mark.parametrize("values, message", [
-    ({"prefill": {"engineArgs": {"kv_transfer": "direct"}}}, "prefill.engineArgs.kv_transfer=direct needs"),
-])
-def test_render_refuses_engine_args_a_cluster_cannot_run(values, message):
-    with pytest.raises(helm.HelmError, match=message):
-        render(values)
-
-
-@pytest.mark.parametrize("values, path", [
-    ({"decode": {"engineArgs": {"max_num_seq": 64}}}, "/decode/engineArgs"),
-    ({"decode": {"engineArgs": {"model": "other"}}}, "/decode/engineArgs"),
-    ({"prefill": {"engineArgs": {"policy": "lifo"}}}, "/prefill/engineArgs/policy"),
-])
-def test_lint_rejects_unknown_or_bad_engine_args(values, path):
-    report = helm.lint(CHART, values, strict=True, namespace=NAMESPACE)
-    assert any(path in m["error"] for m in report["messages"] if m["severity"] == 3), report
 
 
 # --- metrics and autoscaling -----------------------------------------------------------
