@@ -8,17 +8,20 @@ done inside the step that admits the request (the previous behaviour). Every
 running request waits for each of those steps, so the longest one is the
 stall they see.
 
-    python -m tandem.bench.kv_admission --prompt-len 2048 [--model smollm2]
+    python -m tandem.bench.kv_admission --prompt-len 2048 [--model MODEL] [--device cpu]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import socket
 import statistics
 import subprocess
 import sys
 import time
 from typing import Optional
+
+from tandem.engine.config import KV_TRANSFER_FIELDS, EngineArgs
 
 
 def start_store(capacity: str) -> tuple[subprocess.Popen, str]:
@@ -45,16 +48,21 @@ def start_store(capacity: str) -> tuple[subprocess.Popen, str]:
             time.sleep(0.2)
 
 
-def measure(model: str, store_target: str, prompt: list[int], first: list[int], running: int,
-            prefetch: bool, device: str) -> dict:
-    from tandem.engine import SamplingParams
-    from tandem.engine.config import EngineConfig, ModelConfig
+def store_engine(engine_args: EngineArgs, kv_role: str, store_target: str):
+    """An engine of `engine_args` that moves KV through the store at `store_target`."""
     from tandem.engine.llm_engine import LLMEngine
-
     from tandem.services.kvstore.client import KVStoreClient
 
-    engine = LLMEngine(EngineConfig(model=ModelConfig(model=model), device=device, kv_transfer="store",
-                                    kv_role="consumer"), kv_store=KVStoreClient(store_target, timeout_s=5.0))
+    config = dataclasses.replace(engine_args, kv_transfer="store", kv_store=store_target,
+                                 kv_role=kv_role).create_engine_config()
+    return LLMEngine(config, kv_store=KVStoreClient(store_target, timeout_s=5.0))
+
+
+def measure(engine_args: EngineArgs, store_target: str, prompt: list[int], first: list[int],
+            running: int, prefetch: bool) -> dict:
+    from tandem.engine import SamplingParams
+
+    engine = store_engine(engine_args, "consumer", store_target)
     if not prefetch:
         engine.connector.prefetch = lambda request, num_local_hit_tokens: None  # fetch inside the admitting step
     params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
@@ -88,23 +96,19 @@ def measure(model: str, store_target: str, prompt: list[int], first: list[int], 
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tandem.bench.kv_admission", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2", help="model for both engines (default: the embedded SmolLM2)")
     p.add_argument("--prompt-len", type=int, default=2048, help="tokens of the stored prompt")
     p.add_argument("--running", type=int, default=4, help="requests decoding when it arrives")
-    p.add_argument("--device", default="cpu")
     p.add_argument("--repeats", type=int, default=3, help="alternating runs of each mode")
+    # Both engines take these; the benchmark runs on the CPU unless told otherwise.
+    EngineArgs.add_cli_args(p, skip=KV_TRANSFER_FIELDS, defaults={"device": "cpu"})
     args = p.parse_args(argv)
+    engine_args = EngineArgs.from_cli_args(args)
 
     from tandem.engine import SamplingParams
-    from tandem.engine.config import EngineConfig, ModelConfig
-    from tandem.engine.llm_engine import LLMEngine
+
     store, target = start_store("4GiB")
     try:
-        from tandem.services.kvstore.client import KVStoreClient
-
-        producer = LLMEngine(EngineConfig(model=ModelConfig(model=args.model), device=args.device,
-                                          kv_transfer="store", kv_role="producer"),
-                             kv_store=KVStoreClient(target, timeout_s=5.0))
+        producer = store_engine(engine_args, "producer", target)
         rows = []
         for r in range(args.repeats):
             # A prompt of its own per run, so no run finds another's blocks locally.
@@ -115,7 +119,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 for out in producer.step():
                     first.extend(out.new_token_ids)
             for prefetch in (True, False):
-                row = measure(args.model, target, prompt, first, args.running, prefetch, args.device)
+                row = measure(engine_args, target, prompt, first, args.running, prefetch)
                 rows.append(row)
                 print(f"prefetch={row['prefetch']!s:5} decode step {row['decode_step_ms']:7.1f} ms | "
                       f"admission: {row['steps_until_admitted']} steps, longest {row['longest_step_ms']:7.1f} ms, "

@@ -27,30 +27,30 @@ import sys
 import tempfile
 import time
 
+from tandem.engine.config import KV_TRANSFER_FIELDS, EngineArgs
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "latency", help="decode step time vs the memory-bandwidth floor; CPU time per step",
+        "latency", help="decode step time vs the memory-bandwidth floor; host time per step",
         description="Builds the engine (dummy weights of a real architecture with --preset), fills "
                     "BATCH sequences of about CONTEXT tokens (staggered over one KV block), then "
                     "times decode steps. Prints step time, the floor (weights + KV bytes) / "
                     "measured copy bandwidth, their ratio, and the host time per step: "
                     "scheduling, preparing inputs and the update step (stop rules, "
-                    "detokenizing with --tokenizer), median and mean; the JSON also splits "
-                    "it into schedule, prepare and update.")
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--preset", default=None, help="dummy weights: llama-3-8b, llama-3-tiny, qwen3-0.6b")
-    p.add_argument("--tokenizer", default=None,
-                   help="with --preset: attach this tokenizer (a HF folder, .gguf file or 'smollm2'), "
-                        "padded to the preset's vocabulary, so each step detokenizes as in serving")
-    p.add_argument("--batch-sizes", default="1,8,64,256", help="comma-separated (default 1,8,64,256)")
+                    "detokenizing), median and mean; the JSON also splits it into schedule, "
+                    "prepare and update. With --preset, --tokenizer attaches that tokenizer "
+                    "(padded to the preset's vocabulary), so each step detokenizes as in serving.")
+    p.add_argument("--preset", default=None,
+                   help="dummy weights of this architecture instead of --model: llama-3-8b, llama-3-tiny, "
+                        "qwen3-0.6b")
+    p.add_argument("--batch-sizes", default="1,8,64,256",
+                   help="comma-separated (default 1,8,64,256); the largest is the engine's --max-num-seqs")
     p.add_argument("--context", type=int, default=512,
                    help="mean prompt tokens per sequence (default 512)")
     p.add_argument("--steps", type=int, default=30, help="decode steps timed per batch size")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--output-json", default=None)
+    EngineArgs.add_cli_args(p, skip=("max_num_seqs", *KV_TRANSFER_FIELDS))
     p.set_defaults(handler=run)
 
 
@@ -83,21 +83,17 @@ def copy_bandwidth(device) -> float:
 
 
 def build_llm(args: argparse.Namespace, max_num_seqs: int, folder: str):
+    """The engine under test: the preset's dummy weights (with --tokenizer, a
+    copy of that tokenizer padded to the preset's vocabulary, written into
+    `folder`), or --model."""
+    from tandem.bench.presets import save_preset, with_preset
     from tandem.engine import LLM
 
-    kwargs = dict(device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
-                  max_num_seqs=max_num_seqs)
-    if not args.preset:
-        if args.tokenizer:
-            kwargs["tokenizer"] = args.tokenizer
-        return LLM(args.model, **kwargs)
-    from tandem.bench.presets import preset_config, save_preset
-
-    kwargs.update(load_format="dummy", hf_config=preset_config(args.preset))
-    if args.tokenizer:
-        save_preset(args.preset, folder, args.tokenizer)
-        return LLM(folder, tokenizer=os.path.join(folder, "tokenizer"), **kwargs)
-    return LLM(args.preset, **kwargs)
+    engine_args = EngineArgs.from_cli_args(args, max_num_seqs=max_num_seqs)
+    if args.preset and engine_args.tokenizer:
+        save_preset(args.preset, folder, engine_args.tokenizer)
+        engine_args = dataclasses.replace(engine_args, tokenizer=os.path.join(folder, "tokenizer"))
+    return LLM.from_engine_args(with_preset(engine_args, args.preset))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,19 +14,22 @@ processes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import resource
 import time
 
+from tandem.engine.config import KV_TRANSFER_FIELDS, EngineArgs
 
-def run(model: str, tokens: int, budget: int, query_tile: int) -> dict:
+
+def run(engine_args: EngineArgs, tokens: int, budget: int, query_tile: int) -> dict:
     from tandem.engine import LLM, SamplingParams
     from tandem.kernels import paged_attention_torch
 
     if query_tile == 0:
         query_tile = 1 << 30
     paged_attention_torch.QUERY_TILE = query_tile
-    llm = LLM(model, max_num_batched_tokens=budget, device="cpu")
+    llm = LLM.from_engine_args(dataclasses.replace(engine_args, max_num_batched_tokens=budget))
     engine = llm.engine
     prompt = [(i * 7919) % 40000 + 100 for i in range(tokens)]  # no prefix-cache hits
     engine.add_request("long", prompt, SamplingParams(temperature=0, max_tokens=1))
@@ -42,13 +45,16 @@ def run(model: str, tokens: int, budget: int, query_tile: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2")
     parser.add_argument("--tokens", type=int, default=8000, help="prompt length")
-    parser.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
+    parser.add_argument("--budget", type=int, default=2048,
+                        help="the engine's --max-num-batched-tokens (the chunk length measured)")
     parser.add_argument("--query-tile", type=int, default=256,
                         help="queries per attention call in the torch twin; 0: no tiling")
+    # It measures the torch twin on the CPU unless told otherwise.
+    EngineArgs.add_cli_args(parser, skip=("max_num_batched_tokens", *KV_TRANSFER_FIELDS),
+                            defaults={"device": "cpu"})
     args = parser.parse_args()
-    print(json.dumps(run(args.model, args.tokens, args.budget, args.query_tile)))
+    print(json.dumps(run(EngineArgs.from_cli_args(args), args.tokens, args.budget, args.query_tile)))
 
 
 if __name__ == "__main__":

@@ -42,6 +42,19 @@ def preset_config(name: str) -> Any:
 
 
 PRESETS = ("llama-3-8b", "llama-3-tiny", "qwen3-0.6b")
+# Engine flags a benchmark with --preset ignores: the preset is the model.
+PRESET_DECIDES = ("model", "load_format")
+
+
+def with_preset(engine_args: Any, preset: Optional[str]) -> Any:
+    """`engine_args` running the dummy weights of `preset` (its name is the
+    model id), or unchanged without one."""
+    if not preset:
+        return engine_args
+    import dataclasses
+
+    return dataclasses.replace(engine_args, model=preset, load_format="dummy",
+                               hf_config=preset_config(preset))
 PLACEHOLDER = "<x{}>"  # the text of a token id the borrowed tokenizer does not have
 
 

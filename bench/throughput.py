@@ -10,6 +10,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from tandem.engine.config import KV_TRANSFER_FIELDS, EngineArgs
+
 
 @dataclass
 class ThroughputResult:
@@ -34,8 +36,8 @@ def register(subparsers) -> None:
         description="Generates the same seeded prompts with the tandem engine and with HF "
                     "transformers `generate` (greedy, fixed output length, EOS ignored) and prints "
                     "output tokens/s of each and their ratio.")
-    p.add_argument("--model", default="smollm2", help="model (default: the embedded SmolLM2)")
-    p.add_argument("--preset", default=None, help="dummy weights of an architecture: llama-3-8b, qwen3-0.6b")
+    p.add_argument("--preset", default=None,
+                   help="dummy weights of this architecture instead of --model: llama-3-8b, qwen3-0.6b")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--dataset", choices=["uniform", "sharegpt"], default="uniform",
                    help="uniform: --input-len range and --output-len for all; sharegpt: ShareGPT-like "
@@ -45,11 +47,9 @@ def register(subparsers) -> None:
     p.add_argument("--output-len", type=int, default=64, help="tokens generated per prompt (default 64)")
     p.add_argument("--hf-batch-size", type=int, default=16, help="HF generate batch size (left padding)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF baseline")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and their lengths")
     p.add_argument("--output-json", default=None, help="write results here")
+    EngineArgs.add_cli_args(p, skip=KV_TRANSFER_FIELDS)
     p.set_defaults(handler=run)
 
 
@@ -71,12 +71,9 @@ def make_workload(args, vocab: int) -> tuple[list[list[int]], list[int]]:
 def run_engine(args, prompts, output_lens) -> tuple[ThroughputResult, object]:
     from tandem.engine import LLM, SamplingParams
 
-    kwargs = dict(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs)
-    if args.preset:
-        from tandem.bench.presets import preset_config
+    from tandem.bench.presets import with_preset
 
-        kwargs.update(load_format="dummy", hf_config=preset_config(args.preset))
-    llm = LLM(args.preset or args.model, **kwargs)
+    llm = LLM.from_engine_args(with_preset(EngineArgs.from_cli_args(args), args.preset))
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
     llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
     _sync(llm.engine.runner.device)

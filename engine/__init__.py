@@ -13,7 +13,7 @@ from typing import Any
 # public name -> the module that defines it
 _EXPORTS = {
     "CacheConfig": "config", "EngineConfig": "config", "ModelConfig": "config",
-    "SchedulerConfig": "config",
+    "SchedulerConfig": "config", "EngineArgs": "config", "ConfigError": "config",
     "Request": "request", "RequestFailedError": "request", "RequestStatus": "request",
     "SamplingParams": "request", "SamplingParamsError": "request", "TokenLogprob": "request",
     "EngineStats": "llm_engine", "LLMEngine": "llm_engine", "RequestOutput": "outputs",

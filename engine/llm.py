@@ -5,7 +5,7 @@ import copy
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Sequence, Union
 
-from tandem.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tandem.engine.config import DEFAULT_MODEL, EngineArgs
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.request import SamplingParams, TokenLogprob, choice_seed
 
@@ -30,32 +30,34 @@ class GenerateOutput:
     num_cached_tokens: int = 0
 
 
-def build_config(model: str, **kwargs: Any) -> EngineConfig:
-    """EngineConfig from flat keyword arguments named as the dataclass fields
-    (block_size=..., max_num_batched_tokens=..., dtype=...)."""
-    groups = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
-    parts: dict[str, dict[str, Any]] = {k: {} for k in groups}
-    top: dict[str, Any] = {}
-    names = {k: {f.name for f in fields(cls)} for k, cls in groups.items()}
-    top_names = {f.name for f in fields(EngineConfig)} - set(groups)
-    for key, value in kwargs.items():
-        group = next((g for g, n in names.items() if key in n), None)
-        if group is not None:
-            parts[group][key] = value
-        elif key in top_names:
-            top[key] = value
-        else:
-            raise TypeError(f"unknown engine option {key!r}")
-    return EngineConfig(model=ModelConfig(model=model, **parts["model"]),
-                        cache=CacheConfig(**parts["cache"]),
-                        scheduler=SchedulerConfig(**parts["scheduler"]), **top)
+def engine_args(model: str, **kwargs: Any) -> EngineArgs:
+    """EngineArgs from keyword arguments named as its fields (block_size=...,
+    max_num_batched_tokens=..., dtype=...); an unknown name is a TypeError."""
+    known = {f.name for f in fields(EngineArgs)}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise TypeError(f"unknown engine option(s) {', '.join(map(repr, unknown))}; the options are "
+                        f"EngineArgs' fields: {', '.join(sorted(known - {'model'}))}")
+    return EngineArgs(model=model, **kwargs)
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2", kv_store: Any = None, **kwargs: Any) -> None:
-        """kwargs: engine options by their config field names; kv_store: the
-        KVStore of kv_transfer="store"."""
-        self.engine = LLMEngine(build_config(model, **kwargs), kv_store=kv_store)
+    def __init__(self, model: str = DEFAULT_MODEL, kv_store: Any = None, **kwargs: Any) -> None:
+        """kwargs: engine options by their EngineArgs field names (the flags'
+        names with underscores); kv_store: the KVStore of kv_transfer="store".
+        A bad value raises ConfigError (a ValueError) naming its flag."""
+        self._start(engine_args(model, **kwargs), kv_store)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, kv_store: Any = None) -> "LLM":
+        """An LLM from settings a command parsed (EngineArgs.from_cli_args)."""
+        llm = cls.__new__(cls)
+        llm._start(args, kv_store)
+        return llm
+
+    def _start(self, args: EngineArgs, kv_store: Any) -> None:
+        # The caller passes the KVStore object itself: no address needed.
+        self.engine = LLMEngine(args.create_engine_config(kv_store_injected=True), kv_store=kv_store)
         self.tokenizer = self.engine.tokenizer
 
     def encode(self, prompt: Prompt) -> list[int]:

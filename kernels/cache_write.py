@@ -65,4 +65,5 @@ def _check_head_dim(head_dim: int) -> None:
     # tl.arange needs a power of two; 16 is the smallest tl.dot operand size.
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"Triton paged attention needs a power-of-two head_dim >= 16, got "
-                         f"{head_dim}; set TANDEM_ATTENTION_BACKEND=torch for this model")
+                         f"{head_dim}; run this model with --attention-backend torch "
+                         "(TANDEM_ATTENTION_BACKEND=torch)")

@@ -1,8 +1,13 @@
 """Dispatch: Triton kernels on CUDA tensors, torch twins everywhere else
-(TANDEM_ATTENTION_BACKEND=torch: the twins on CUDA too)."""
+(attention backend "torch": the twins on CUDA too).
+
+The backend is one setting per process, not per call: the model's layers call
+these functions directly, without an engine object to ask. The engine sets it
+from its config (EngineConfig.attention_backend, flag --attention-backend)
+when it starts; until then it is "auto".
+"""
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -11,10 +16,31 @@ from tandem.kernels.metadata import AttentionMetadata
 from tandem.kernels.layer_ops_torch import rms_norm_torch, rotary_torch, silu_and_mul_torch
 from tandem.kernels.paged_attention_torch import paged_attention_torch_batched, write_kv_torch
 
+# The names of engine/config.py's AttentionBackend.
+BACKENDS = ("auto", "triton", "torch")
+_backend = "auto"
+
+
+def set_attention_backend(name: str, device_type: str) -> None:
+    """Select the kernels of this process for an engine on `device_type`.
+    "triton" on another device than CUDA is an error rather than a silent
+    fall back to the twins."""
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}; got {name!r}")
+    if name == "triton" and device_type != "cuda":
+        raise ValueError(f"--attention-backend triton needs CUDA; this engine runs on {device_type}: "
+                         "use --attention-backend auto or torch")
+    _backend = name
+
+
+def attention_backend() -> str:
+    return _backend
+
 
 def triton_backend_selected() -> bool:
-    """False when TANDEM_ATTENTION_BACKEND=torch forces the twins (debugging on a GPU)."""
-    return os.environ.get("TANDEM_ATTENTION_BACKEND", "triton") == "triton"
+    """False when the backend is "torch": the twins run on CUDA too (debugging on a GPU)."""
+    return _backend != "torch"
 
 
 def _use_triton(t: torch.Tensor) -> bool:

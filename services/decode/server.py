@@ -1,10 +1,11 @@
 """The decode role: a gRPC server around an engine that takes a request with
 the first token prefill sampled, loads the prompt's KV blocks it lacks from
-the KV store (--kvstore, connector role "consumer") or copies them from the
-prefill's shared cache (--kv-direct and the request's kv_handle), recomputing
-them when neither can provide them, and streams the rest of the answer.
+the KV store (--kv-transfer store, connector role "consumer") or copies them
+from the prefill's shared cache (--kv-transfer direct and the request's
+kv_handle), recomputing them when neither can provide them, and streams the
+rest of the answer.
 
-    python -m tandem.services.decode.server --kvstore 127.0.0.1:50081
+    python -m tandem.services.decode.server --kv-transfer store --kv-store 127.0.0.1:50081
 """
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ import asyncio
 
 import grpc
 
-from tandem.services.common.engine_service import (
-    Admission, EngineMetrics, EngineServicer, add_engine_arguments, logprob_to_proto, run_engine_service,
-    run_main, sampling_params_from_proto)
+from tandem.services.common.config import run_main
+from tandem.services.common.engine_metrics import EngineMetrics
+from tandem.services.common.engine_process import add_engine_role_arguments, run_engine_service
 from tandem.services.common.kv_handle import handle_from_proto
+from tandem.services.common.proto_convert import logprob_to_proto, sampling_params_from_proto
+from tandem.services.common.role_servicer import Admission, EngineServicer
 from tandem.v1 import decode_pb2, decode_pb2_grpc
 
 ROLE = "decode"
@@ -78,7 +81,7 @@ def _add_servicers(server: grpc.aio.Server, engine, metrics: EngineMetrics,
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_engine_arguments(parser, role=ROLE, default_port=50071, default_metrics_port=9071)
+    add_engine_role_arguments(parser, role=ROLE, default_port=50071, default_metrics_port=9071)
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -1,13 +1,14 @@
 """The prefill role: a gRPC server around an engine that runs each prompt,
 samples its first token and saves the prompt's full KV blocks to the KV store
-(--kvstore), or keeps them in its shared cache for the decode to copy
-(--kv-direct; the reply's kv_handle says where, ReleaseKV lets them go).
+(--kv-transfer store --kv-store HOST:PORT), or keeps them in its shared cache
+for the decode to copy (--kv-transfer direct; the reply's kv_handle says
+where, ReleaseKV lets them go).
 
 Its connector both saves and loads (kv_role "both"): blocks of a prompt
 prefix that another prefill instance already computed come from the store,
 so the store is a prefix cache shared by the whole prefill tier.
 
-    python -m tandem.services.prefill.server --kvstore 127.0.0.1:50081
+    python -m tandem.services.prefill.server --kv-transfer store --kv-store 127.0.0.1:50081
 """
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ import asyncio
 
 import grpc
 
-from tandem.services.common.engine_service import (
-    Admission, EngineMetrics, EngineServicer, add_engine_arguments, logprob_to_proto, run_engine_service,
-    run_main, sampling_params_from_proto)
+from tandem.services.common.config import run_main
+from tandem.services.common.engine_metrics import EngineMetrics
+from tandem.services.common.engine_process import add_engine_role_arguments, run_engine_service
 from tandem.services.common.kv_handle import handle_to_proto
+from tandem.services.common.proto_convert import logprob_to_proto, sampling_params_from_proto
+from tandem.services.common.role_servicer import Admission, EngineServicer
 from tandem.v1 import prefill_pb2, prefill_pb2_grpc
 
 ROLE = "prefill"
@@ -83,7 +86,7 @@ def _add_servicers(server: grpc.aio.Server, engine, metrics: EngineMetrics,
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_engine_arguments(parser, role=ROLE, default_port=50061, default_metrics_port=9061)
+    add_engine_role_arguments(parser, role=ROLE, default_port=50061, default_metrics_port=9061)
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -53,7 +53,7 @@ class Frontend:
         The prompt is shorter than the context (the PromptPool checked it)."""
         from tandem.engine.request import SamplingParamsError
 
-        from tandem.services.common.engine_service import sampling_params_from_proto
+        from tandem.services.common.proto_convert import sampling_params_from_proto
 
         limit = self.model.max_model_len
         if not params.HasField("max_tokens"):

@@ -12,8 +12,8 @@ import logging
 import signal
 from typing import Optional
 
-from tandem.services.common.config import add_flag, config_error
-from tandem.services.common.engine_service import DEFAULT_MODEL, run_main
+from tandem.engine.config import DEFAULT_MODEL
+from tandem.services.common.config import add_flag, config_error, run_main
 from tandem.services.common.grpc_server import add_tls_arguments, tls_from_args
 
 log = logging.getLogger(__name__)

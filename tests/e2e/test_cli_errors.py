@@ -71,7 +71,8 @@ def test_a_hub_id_is_told_how_to_download(tmp_path):
 def test_banner_curl_lets_the_shell_expand_the_api_key(capsys):
     import argparse
 
-    from tandem.services.launcher import Child, _print_banner
+    from tandem.services.launcher.children import Child
+    from tandem.services.launcher.up import _print_banner
 
     router_child = Child(name="router", role="router", argv=[], log_path="", address="127.0.0.1:8000")
     _print_banner(router_child, "127.0.0.1:50051", argparse.Namespace(api_key=["k"]), "m",
@@ -81,3 +82,20 @@ def test_banner_curl_lets_the_shell_expand_the_api_key(capsys):
     expanded = subprocess.run(["bash", "-c", f"printf '%s|' {header}"], capture_output=True, text=True,
                               env=dict(os.environ, TANDEM_API_KEY="s3cret")).stdout
     assert expanded == "-H|Authorization: Bearer s3cret|"
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_store_without_its_address_is_an_error_before_the_model_loads(role):
+    result = tandem("serve", role, "--port", "0", "--metrics-port", "0", "--kv-transfer", "store")
+    assert_one_line_error(result, "error: --kv-transfer store needs --kv-store HOST:PORT")
+
+
+def test_the_old_kv_flags_are_gone():
+    result = tandem("serve", "decode", "--kv-direct")
+    assert result.returncode == 2 and "unrecognized arguments: --kv-direct" in result.stderr
+
+
+def test_up_checks_engine_settings_before_starting_anything(tmp_path):
+    result = up("--block-size", "0", "--log-dir", str(tmp_path))
+    assert_one_line_error(result, "error: --block-size: must be above 0, got 0")
+    assert list(tmp_path.iterdir()) == []

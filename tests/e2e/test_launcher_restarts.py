@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tandem.services.launcher import START_TRIES
+from tandem.services.launcher.supervisor import START_TRIES
 from tests.support.stack import StackOptions, TandemStack, _alive
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]

@@ -7,6 +7,8 @@ unit tests and the live-scrape test, which checks that the names found by
 """
 from __future__ import annotations
 
+import argparse
+import importlib
 import inspect
 import json
 import re
@@ -54,6 +56,27 @@ def render(values: Optional[dict[str, Any]] = None) -> tuple[list[Manifest], str
             if doc:
                 manifests.append(Manifest(path, doc))
     return manifests, notes
+
+
+def by_kind(manifests: list[Manifest], kind: str) -> dict[str, Manifest]:
+    return {m.name: m for m in manifests if m.kind == kind}
+
+
+def container(deployment: Manifest) -> dict:
+    (c,) = deployment.doc["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def env_of(deployment: Manifest) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in container(deployment)["env"]}
+
+
+def role_parser(role: str) -> argparse.ArgumentParser:
+    """The parser `tandem serve ROLE` runs in the pod."""
+    module = importlib.import_module(f"tandem.services.{role}.server")
+    parser = argparse.ArgumentParser(prog=f"tandem serve {role}")
+    module.add_arguments(parser)
+    return parser
 
 
 # --- PromQL ------------------------------------------------------------------------

@@ -7,8 +7,6 @@ vars no role understands, PromQL naming series no service exports.
 """
 from __future__ import annotations
 
-import argparse
-import importlib
 import json
 import os
 
@@ -21,8 +19,8 @@ import helm_python as helm  # noqa: E402
 
 from tandem.services.common.metrics import ALL_METRIC_NAMES, HISTOGRAM_NAMES  # noqa: E402
 from tests.support.helm import (  # noqa: E402
-    CHART, MODELS, NAMESPACE, Manifest, adapter_rules, chart_promql, metric_family,
-    promql_metric_names, render, scaling_queries, to_model,
+    CHART, MODELS, NAMESPACE, Manifest, adapter_rules, by_kind, chart_promql, container, env_of,
+    metric_family, promql_metric_names, render, role_parser, scaling_queries, to_model,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -48,7 +46,9 @@ VARIANTS = {
                            "decode": {"autoscaling": {"signal": "running_requests", "target": "32"}}},
     "gpu": {"gpu": {"enabled": True, "nodeSelector": {"nvidia.com/gpu.present": "true"},
                     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
-                                     "effect": "NoSchedule"}]}},
+                                     "effect": "NoSchedule"}]},
+            "prefill": {"engineArgs": {"max_num_batched_tokens": 16384, "enable_prefix_caching": False}},
+            "decode": {"engineArgs": {"gpu_memory_utilization": 0.85, "max_num_seqs": 512}}},
     "pvc-tls-no-prefill": {"model": {"source": "pvc", "path": "llama-3.1-8b",
                                      "pvc": {"claimName": "models"}},
                            "tls": {"enabled": True, "secretName": "tandem-mtls"},
@@ -60,19 +60,6 @@ VARIANTS = {
 @pytest.fixture(scope="module")
 def rendered() -> dict[str, tuple[list[Manifest], str]]:
     return {name: render(values) for name, values in VARIANTS.items()}
-
-
-def by_kind(manifests: list[Manifest], kind: str) -> dict[str, Manifest]:
-    return {m.name: m for m in manifests if m.kind == kind}
-
-
-def container(deployment: Manifest) -> dict:
-    (c,) = deployment.doc["spec"]["template"]["spec"]["containers"]
-    return c
-
-
-def env_of(deployment: Manifest) -> dict[str, str]:
-    return {e["name"]: e.get("value") for e in container(deployment)["env"]}
 
 
 # --- Helm itself -----------------------------------------------------------------------
@@ -186,7 +173,8 @@ def test_default_install_runs_every_role_on_cpu_with_memory_store(rendered):
     assert router["TANDEM_PREFILL"] == "demo-tandem-prefill:50061"
     assert router["TANDEM_DECODE"] == "demo-tandem-decode:50071"
     for role in ("prefill", "decode"):
-        assert env_of(deployments[f"demo-tandem-{role}"])["TANDEM_KVSTORE"] == "demo-tandem-kvstore:50081"
+        env = env_of(deployments[f"demo-tandem-{role}"])
+        assert (env["TANDEM_KV_TRANSFER"], env["TANDEM_KV_STORE"]) == ("store", "demo-tandem-kvstore:50081")
     assert "kubectl port-forward" in notes and "svc/demo-tandem-router 8000:8000" in notes
     assert not by_kind(manifests, "HorizontalPodAutoscaler") and not by_kind(manifests, "ScaledObject")
 
@@ -271,14 +259,7 @@ def test_pvc_model_tls_and_no_prefill_tier(rendered):
     assert api_key["valueFrom"] == {"secretKeyRef": {"name": "tandem-keys", "key": "api-keys"}}
 
 
-def _role_parser(role: str) -> argparse.ArgumentParser:
-    module = importlib.import_module(f"tandem.services.{role}.server")
-    parser = argparse.ArgumentParser(prog=f"tandem serve {role}")
-    module.add_arguments(parser)
-    return parser
-
-
-@pytest.mark.parametrize("variant", ["default", "redis", "keda", "pvc-tls-no-prefill"])
+@pytest.mark.parametrize("variant", ["default", "redis", "keda", "pvc-tls-no-prefill", "gpu"])
 def test_every_role_accepts_the_env_the_chart_sets(rendered, variant, monkeypatch):
     """Each TANDEM_* variable is a real flag's env twin with a value the flag
     parses (the same code path `tandem serve <role>` runs in the pod)."""
@@ -288,7 +269,7 @@ def test_every_role_accepts_the_env_the_chart_sets(rendered, variant, monkeypatc
         if d.role not in ROLES:
             continue
         env = {k: v for k, v in env_of(d).items() if k.startswith("TANDEM_")}
-        twins = {env_name(opt) for action in _role_parser(d.role)._actions
+        twins = {env_name(opt) for action in role_parser(d.role)._actions
                  for opt in action.option_strings if opt.startswith("--")}
         assert set(env) <= twins, (d.role, sorted(set(env) - twins))
         for key in list(os.environ):
@@ -297,7 +278,7 @@ def test_every_role_accepts_the_env_the_chart_sets(rendered, variant, monkeypatc
         for key, value in env.items():
             # From a Secret (valueFrom): any value; the flag exists, checked above.
             monkeypatch.setenv(key, value if value is not None else "secret")
-        args = _role_parser(d.role).parse_args([])
+        args = role_parser(d.role).parse_args([])
         assert args.host == "0.0.0.0" and args.port == container(d)["ports"][0]["containerPort"]
         if variant == "keda" and d.role == "decode":  # user env reaches the flags, typed
             assert (args.max_model_len, args.max_num_seqs) == (2048, 64)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from tandem.services.launcher import add_up_arguments, plan_stack
+from tandem.services.launcher.plan import plan_stack
+from tandem.services.launcher.up import add_up_arguments
 
 
 def plan(*argv: str, tmp_path) -> tuple:
@@ -31,3 +32,55 @@ def test_given_ports_are_kept_and_a_turned_off_grpc_api_stays_off(tmp_path):
                                        tmp_path=tmp_path)
     assert flag(kvstore.argv, "--port") == 18124
     assert (flag(router_flags, "--port"), flag(router_flags, "--grpc-port")) == (18123, -1)
+
+
+def engine_args_of(argv: list[str]):
+    """What an engine started with `argv` runs with (its own parser, no environment)."""
+    from tandem.engine.config import EngineArgs
+    from tandem.services.prefill.server import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return EngineArgs.from_cli_args(p.parse_args(argv[argv.index("-m") + 2:]))  # after the module
+
+
+def test_engines_get_the_engine_flags_as_given_and_the_store_the_launcher_starts(tmp_path, monkeypatch):
+    monkeypatch.delenv("TANDEM_BLOCK_SIZE", raising=False)
+    kvstore, prefills, decodes, router_flags = plan(
+        "--kvstore-port", "18125", "--block-size", "32", "--max-model-len", "512", "--enforce-eager",
+        "--no-prefix-caching", "--attention-backend", "torch", tmp_path=tmp_path)
+    for child in prefills + decodes:
+        assert child.argv[child.argv.index("--kv-transfer") + 1] == "store"
+        assert child.argv[child.argv.index("--kv-store") + 1] == "127.0.0.1:18125"
+    args = engine_args_of(prefills[0].argv)
+    assert (args.block_size, args.max_model_len, args.enforce_eager, args.enable_prefix_caching,
+            args.attention_backend) == (32, 512, True, False, "torch")
+    # The router reads the context length from the engines, never its own copy.
+    assert "--max-model-len" not in router_flags and "--block-size" not in router_flags
+
+
+def test_direct_transfer_reaches_every_engine_without_a_store(tmp_path):
+    _, prefills, decodes, _ = plan("--kv-transfer", "direct", tmp_path=tmp_path)
+    for child in prefills + decodes:
+        args = engine_args_of(child.argv)
+        assert (args.kv_transfer, args.kv_store) == ("direct", None)
+
+
+def test_engines_do_not_inherit_the_env_twins_the_launcher_already_read(tmp_path, monkeypatch):
+    """TANDEM_BLOCK_SIZE=32 with `--block-size 16` given: the flag wins for the
+    launcher, and the engine, which gets no --block-size (16 is the default),
+    must not read 32 from its inherited environment."""
+    import sys
+
+    from tandem.services.launcher.children import start_child
+
+    monkeypatch.setenv("TANDEM_BLOCK_SIZE", "32")
+    monkeypatch.setenv("TANDEM_UNRELATED", "kept")
+    _, prefills, _, _ = plan("--block-size", "16", tmp_path=tmp_path)
+    assert "--block-size" not in prefills[0].argv
+    probe = prefills[0]
+    probe.argv = [sys.executable, "-c", "import os; print(os.environ.get('TANDEM_BLOCK_SIZE'), "
+                  "os.environ.get('TANDEM_UNRELATED'))"]
+    start_child(probe)
+    probe.process.wait(30)
+    assert open(probe.log_path).read().split() == ["None", "kept"]

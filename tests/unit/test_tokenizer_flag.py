@@ -29,12 +29,12 @@ def test_smollm2_alias_lends_the_embedded_tokenizer(config_only):
 
 
 def test_engine_flag_reaches_the_model_config(config_only):
-    from tandem.services.common.engine_service import add_engine_arguments, build_engine_config
+    from tandem.services.common.engine_process import add_engine_role_arguments, engine_config_from_args
 
     p = argparse.ArgumentParser()
-    add_engine_arguments(p, role="decode", default_port=0, default_metrics_port=0)
+    add_engine_role_arguments(p, role="decode", default_port=0, default_metrics_port=0)
     args = p.parse_args(["--model", config_only, "--load-format", "dummy", "--tokenizer", "smollm2"])
-    assert build_engine_config(args, "consumer").model.tokenizer == "smollm2"
+    assert engine_config_from_args(args, "consumer").model.tokenizer == "smollm2"
 
 
 def test_router_flag_gives_the_gateway_a_tokenizer(config_only):
@@ -47,7 +47,8 @@ def test_router_flag_gives_the_gateway_a_tokenizer(config_only):
 
 
 def test_tandem_up_passes_tokenizer_to_engines_and_router(config_only, tmp_path):
-    from tandem.services.launcher import add_up_arguments, plan_stack
+    from tandem.services.launcher.plan import plan_stack
+    from tandem.services.launcher.up import add_up_arguments
 
     p = argparse.ArgumentParser()
     add_up_arguments(p)

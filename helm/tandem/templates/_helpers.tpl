@@ -102,8 +102,40 @@ app.kubernetes.io/component: {{ .role }}
 {{- end }}
 {{- end }}
 
-{{/* Env every role shares: bind address, TLS, model, user env. Usage:
-(dict "root" $ "role" "decode" "model" true) */}}
+{{/* An env value as the flag parses it: Helm reads every number of a values
+file as a float, and toString writes a large whole one as 1e+06. */}}
+{{- define "tandem.envValue" -}}
+{{- if and (kindIs "float64" .) (eq . (floor .)) }}{{ int64 . }}{{ else }}{{ toString . }}{{ end }}
+{{- end }}
+
+{{/* The env twins of an engine role's settings (its `engineArgs`, keyed by
+EngineArgs field names, as in `tandem serve <role> --help` with underscores),
+as YAML of name: value. The chart's own: KV moves through its kvstore.
+Usage: include "tandem.engineEnv" (dict "root" $ "role" "decode") | fromYaml */}}
+{{- define "tandem.engineEnv" -}}
+{{- $args := merge (deepCopy (default dict (get .root.Values .role).engineArgs)) (dict "kv_transfer" "store") }}
+{{- if eq (toString $args.kv_transfer) "direct" }}
+{{- fail (printf "%s.engineArgs.kv_transfer=direct needs prefill and decode on one host; the chart runs each role in its own pod: use store (the default) or none" .role) }}
+{{- end }}
+{{- if eq (toString $args.kv_transfer) "store" }}
+{{- $args = merge $args (dict "kv_store" (include "tandem.kvstoreTarget" .root)) }}
+{{- end }}
+{{- $env := dict }}
+{{- range $name, $value := $args }}
+{{- if kindIs "invalid" $value }}
+{{- else if eq $name "enable_prefix_caching" }}
+{{- /* the one setting whose flag is a negation: --no-prefix-caching */}}
+{{- $_ := set $env "TANDEM_NO_PREFIX_CACHING" (toString (not $value)) }}
+{{- else }}
+{{- $_ := set $env (printf "TANDEM_%s" (upper $name)) (include "tandem.envValue" $value) }}
+{{- end }}
+{{- end }}
+{{- toYaml $env }}
+{{- end }}
+
+{{/* Env every role shares: bind address, TLS, model, user env; an engine
+role's settings too. A role's `env` wins over its `engineArgs`, which win
+over the global `env`. Usage: (dict "root" $ "role" "decode" "model" true "engine" true) */}}
 {{- define "tandem.commonEnv" -}}
 {{- $v := .root.Values }}
 - name: TANDEM_HOST
@@ -130,7 +162,11 @@ app.kubernetes.io/component: {{ .role }}
       key: HF_TOKEN
 {{- end }}
 {{- end }}
-{{- include "tandem.envMap" (merge (deepCopy (get $v .role).env) $v.env) }}
+{{- $engine := dict }}
+{{- if .engine }}
+{{- $engine = include "tandem.engineEnv" (dict "root" .root "role" .role) | fromYaml }}
+{{- end }}
+{{- include "tandem.envMap" (merge (deepCopy (get $v .role).env) $engine $v.env) }}
 {{- end }}
 
 {{/* Volumes and mounts for the model PVC and the TLS secret. */}}

@@ -1,5 +1,5 @@
 {{/* The Deployment and Service of one role. Usage:
-include "tandem.workload" (dict "root" $ "role" "decode" "model" true
+include "tandem.workload" (dict "root" $ "role" "decode" "model" true "engine" true
   "ports" (list (dict "name" "grpc" "port" 50071)) "env" "<yaml list>"
   "probes" "<yaml>" "metricsPort" 9071 "metricsPath" "/metrics"
   "headless" true)
@@ -65,7 +65,7 @@ spec:
             {{- end }}
           env:
             {{- .env | trim | nindent 12 }}
-            {{- include "tandem.commonEnv" (dict "root" $root "role" .role "model" .model) | trim | nindent 12 }}
+            {{- include "tandem.commonEnv" (dict "root" $root "role" .role "model" .model "engine" .engine) | trim | nindent 12 }}
           {{- .probes | trim | nindent 10 }}
           {{- include "tandem.lifecycle" (dict "cfg" $cfg) | nindent 10 }}
           resources:

@@ -1,0 +1,56 @@
+"""Conversions between the wire (protobuf) and the engine's types: sampling
+parameters, logprobs, and an engine's load as the router reads it."""
+from __future__ import annotations
+
+from tandem.v1 import common_pb2
+
+
+def sampling_params_from_proto(p: common_pb2.SamplingParams, **overrides):
+    """The engine's SamplingParams; raises SamplingParamsError naming a bad field."""
+    from tandem.engine import SamplingParams
+
+    kwargs: dict = {
+        "n": p.n or 1,
+        "stop": list(p.stop),
+        "stop_token_ids": list(p.stop_token_ids),
+        "ignore_eos": p.ignore_eos,
+        "include_stop_str_in_output": p.include_stop_str_in_output,
+        "min_tokens": p.min_tokens,
+        "max_tokens": p.max_tokens if p.HasField("max_tokens") else None,
+    }
+    for name in ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty",
+                 "presence_penalty", "frequency_penalty", "logprobs"):
+        if p.HasField(name):
+            kwargs[name] = getattr(p, name)
+    kwargs.update(overrides)
+    return SamplingParams(**kwargs)
+
+
+def sampling_params_to_proto(params) -> common_pb2.SamplingParams:
+    p = common_pb2.SamplingParams(
+        n=params.n, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+        min_p=params.min_p, repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos, include_stop_str_in_output=params.include_stop_str_in_output,
+        min_tokens=params.min_tokens)
+    if params.max_tokens is not None:
+        p.max_tokens = params.max_tokens
+    if params.seed is not None:
+        p.seed = params.seed
+    if params.logprobs is not None:
+        p.logprobs = params.logprobs
+    return p
+
+
+def logprob_to_proto(lp) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                                   top={int(k): float(v) for k, v in lp.top.items()})
+
+
+def load_from_stats(stats) -> common_pb2.Load:
+    return common_pb2.Load(
+        num_running=stats.num_running, num_waiting=stats.num_waiting,
+        num_waiting_prompt_tokens=stats.num_waiting_prompt_tokens,
+        kv_cache_usage=stats.kv_cache_usage, num_free_blocks=stats.num_free_blocks,
+        num_total_blocks=stats.num_total_blocks)

@@ -1,0 +1,5 @@
+import sys
+
+from tandem.services.launcher import main
+
+sys.exit(main())
