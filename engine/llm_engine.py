@@ -8,14 +8,13 @@ offline `LLM.generate` in llm.py.
 from __future__ import annotations
 
 import copy
-import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence, Union
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 from tandem.engine.config import EngineConfig
-from tandem.engine.connector.base import KVConnector, KVStore
+from tandem.engine.connector.base import KVCacheLayout, KVConnector, KVStore
 from tandem.engine.detokenizer import Detokenizer
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.loader import ModelInfo, load_model_info
@@ -74,9 +73,12 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, info: Optional[ModelInfo] = None,
-                 kv_store: Optional[KVStore] = None) -> None:
+                 kv_store: Optional[KVStore] = None,
+                 kv_connector: Optional[Callable[[str, KVCacheLayout], KVConnector]] = None) -> None:
         """kv_store: where the "store" KV transfer keeps blocks (the service
-        passes its KV store client; the engine owns and closes it)."""
+        passes its KV store client; the engine owns and closes it).
+        kv_connector: a connector of the caller's, made from (kv_role, the
+        cache layout), instead of the one config.kv_transfer names."""
         self.config = config = config.with_defaults()
         mc = config.model
         self.info = info or load_model_info(mc.model, mc.load_format, mc.hf_config, mc.tokenizer,
@@ -85,7 +87,8 @@ class LLMEngine:
         self.model_id = self.info.model_id
         self.runner = ModelRunner(config, self.info)
         layout = self.runner.layout
-        self.connector = self._make_connector(layout, kv_store)
+        self.connector = (kv_connector(config.kv_role, layout) if kv_connector is not None
+                          else self._make_connector(layout, kv_store))
         self.runner.bind_kv_cache(self.connector.allocate_kv_cache() if self.connector else None)
         if self.connector is not None:
             self.connector.register_kv_cache(self.runner.kv_cache)
@@ -106,7 +109,6 @@ class LLMEngine:
         # Outputs produced outside a model step (a decode's first tokens that
         # came from prefill), handed out by the next step().
         self._ready: list[RequestOutput] = []
-        self._ids = itertools.count()
 
     def _eos_token_id(self) -> Optional[int]:
         eos = getattr(self.info.hf_config, "eos_token_id", None)
@@ -281,6 +283,3 @@ class LLMEngine:
     def shutdown(self) -> None:
         if self.connector is not None:
             self.connector.close()
-
-    def next_request_id(self) -> str:
-        return f"req-{next(self._ids)}"

@@ -9,25 +9,24 @@ request advances num_computed_tokens towards num_tokens.
 
 The update step takes the sampled tokens and applies the stop rules; a
 finished request is freed by one call, finish(), which also asks the KV
-connector whether to hold its blocks for a consumer (holds are the
-scheduler's: released by release_hold() or after kv_hold_timeout_s).
+connector whether to hold its blocks for a consumer (the scheduler's holds,
+kv_holds.py).
 """
 from __future__ import annotations
 
 import logging
-import time
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 from tandem.engine.config import SchedulerConfig
 from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.kv_holds import KVHolds
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.plan import SchedulerOutput
 from tandem.engine.request import Request, RequestFailedError, RequestStatus, TokenLogprob
 
 if TYPE_CHECKING:
-    from tandem.engine.block_pool import KVCacheBlock
     from tandem.engine.connector.base import KVConnector
 
 log = logging.getLogger(__name__)
@@ -48,15 +47,6 @@ class SchedulerStats:
     generation_tokens: int = 0  # tokens sampled here
 
 
-@dataclass
-class _Hold:
-    """A finished request's blocks, kept for a consumer (direct transfer)."""
-
-    blocks: list["KVCacheBlock"]
-    deadline: float
-    params: dict  # what the connector handed out with them
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
                  connector: Optional["KVConnector"] = None, max_model_len: int = 2**31 - 1,
@@ -67,12 +57,11 @@ class Scheduler:
         self.kv = kv
         self.connector = connector
         self.max_model_len = max_model_len
-        self.kv_hold_timeout_s = kv_hold_timeout_s
         self.waiting: deque[Request] = deque()
         self.staging: list[Request] = []  # two-level SRTF's second-level queue
         self.running: list[Request] = []  # in admission order; the last is preempted first
         self.requests: dict[str, Request] = {}
-        self.holds: OrderedDict[str, _Hold] = OrderedDict()  # oldest first
+        self.holds = KVHolds(kv, connector, kv_hold_timeout_s)
         self.stats = SchedulerStats()
         self._freed: list[str] = []  # requests whose blocks went back since the last plan
         self._sampling: list[Request] = []  # the last plan's sampled entries' requests, in order
@@ -81,7 +70,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        self.expire_holds()  # also here: an idle engine steps only when requests arrive
+        self.holds.expire()  # also here: an idle engine steps only when requests arrive
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -111,9 +100,7 @@ class Scheduler:
             hold, params = self.connector.request_finished(request, request.block_ids)
             request.kv_transfer_params.update(params)
             if hold > 0:
-                self.release_hold(request.request_id)  # a retried request id: its older hold goes first
-                self.holds[request.request_id] = _Hold(
-                    self.kv.hold(request, hold), time.monotonic() + self.kv_hold_timeout_s, params)
+                self.holds.hold(request, hold, params)
         self.kv.free(request)
         self._freed.append(request.request_id)
         self.requests.pop(request.request_id, None)
@@ -124,34 +111,17 @@ class Scheduler:
             self.finish(request, RequestStatus.FINISHED_ABORTED)
         return request
 
-    # ---- holds -------------------------------------------------------
     def release_hold(self, request_id: str) -> bool:
-        """The consumer has the blocks (or never will): give them back."""
-        hold = self.holds.pop(request_id, None)
-        if hold is None:
-            return False
-        self.kv.release(hold.blocks)
-        if self.connector is not None:
-            self.connector.hold_released(request_id, hold.params)
-        return True
-
-    def expire_holds(self) -> None:
-        now = time.monotonic()
-        while self.holds:
-            request_id, hold = next(iter(self.holds.items()))
-            if hold.deadline > now:
-                return
-            log.warning("KV blocks of %s held %.0f s without a release: freed", request_id,
-                        self.kv_hold_timeout_s)
-            self.release_hold(request_id)
+        """The consumer of a finished request's blocks has them: let them go."""
+        return self.holds.release(request_id)
 
     @property
     def num_held_blocks(self) -> int:
-        return sum(len(h.blocks) for h in self.holds.values())
+        return self.holds.num_blocks
 
     # ---- planning ----------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        self.expire_holds()
+        self.holds.expire()
         out = SchedulerOutput()
         self._sampling = []
         budget = self.config.max_num_batched_tokens
