@@ -2,9 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from types import MappingProxyType
+from typing import Mapping, Optional, Sequence, Union
 
 from tandem.engine.request import RequestFailedError, TokenLogprob
+
+# The kv_transfer_params of an unfinished request's output (shared, read-only:
+# this is made for every request every step).
+NO_PARAMS: Mapping = MappingProxyType({})
 
 
 @dataclass(slots=True)
@@ -14,7 +19,7 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     new_text: str
-    new_logprobs: list[TokenLogprob]
+    new_logprobs: Sequence[TokenLogprob]
     finished: bool
     finish_reason: Optional[str]
     num_prompt_tokens: int
@@ -24,6 +29,6 @@ class RequestOutput:
     stop_reason: Optional[Union[str, int]] = None
     # Set on a finished request by the connector: e.g. a DirectHandle to the
     # prompt's blocks, which the decode engine copies (connector/direct.py).
-    kv_transfer_params: dict = field(default_factory=dict)
+    kv_transfer_params: Mapping = field(default_factory=lambda: NO_PARAMS)
     # finish_reason "error": why the engine failed this request (and only it).
     error: Optional[RequestFailedError] = None

@@ -253,10 +253,15 @@ class Request:
         token ids (once min_tokens is reached), stop strings (the text is cut
         there), then max_tokens and the model's context. Returns the finished
         status, or None while the request goes on."""
-        self.append_token(token_id, logprob)
+        outputs = self.output_token_ids
+        outputs.append(token_id)
+        self.all_token_ids.append(token_id)
+        if logprob is not None:
+            self.logprobs.append(logprob)
         params = self.params
+        num_outputs = len(outputs)
         status = None
-        if self.num_output_tokens > params.min_tokens:
+        if num_outputs > params.min_tokens:
             if token_id == self.eos_token_id and not params.ignore_eos:
                 status = RequestStatus.FINISHED_STOPPED
             elif token_id in self.stop_token_set:
@@ -265,8 +270,7 @@ class Request:
         stop_str = detok.add(token_id) if detok is not None else None
         if status is None and stop_str is not None:
             status, self.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
-        if status is None and (self.num_output_tokens >= params.max_tokens
-                               or self.num_tokens >= max_model_len):
+        if status is None and (num_outputs >= params.max_tokens or len(self.all_token_ids) >= max_model_len):
             status = RequestStatus.FINISHED_LENGTH
         if status is not None and detok is not None:
             # The bytes of an unfinished character join the text now; a stop
