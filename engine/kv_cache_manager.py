@@ -67,7 +67,6 @@ class KVCacheManager:
         """
         bs = self.block_size
         computed = request.num_computed_tokens
-        total = computed + num_new_tokens
         # A decode names only blocks already computed: the one it fills is named
         # at its next step, whose token needs a new block (or when the request
         # is freed). Only later requests (a next turn) share such a block, and
@@ -75,9 +74,10 @@ class KVCacheManager:
         # scheduled in the same step may hit those blocks (every layer writes
         # the whole batch's K/V before attention reads it).
         decode = num_new_tokens == 1 and not new_computed_blocks and not num_external_tokens
-        if (decode and self.decode_shortcut and total <= len(request.block_ids) * bs
+        if (decode and computed < len(request.block_ids) * bs and self.decode_shortcut
                 and (computed // bs <= request.num_named_blocks or not self.enable_caching)):
             return NO_NEW_BLOCKS  # most decode steps: a slot it holds, nothing became full
+        total = computed + num_new_tokens
         hit_blocks = list(new_computed_blocks)
         total += len(hit_blocks) * bs + num_external_tokens
         num_needed = -(-total // bs) - len(request.blocks) - len(hit_blocks)

@@ -146,20 +146,19 @@ class ModelRunner:
 
     # ---- inputs --------------------------------------------------------
     def prepare(self, plan: SchedulerOutput) -> BatchInputs:
-        """The step's tensors. One pass over the plan updates the block-table
-        rows; everything else is whole-array numpy, so a decode step costs
+        """The step's tensors. One pass over the plan brings the block tables up
+        to date; everything else is whole-array numpy, so a decode step costs
         little per request. The result is valid until the next prepare()."""
         n = plan.num_entries
         if n >= len(self._arange):
             self._arange = np.arange(2 * n + 1, dtype=np.int64)
         bs = self.block_size
-        table = self.block_table
-        rows = table.update(plan)
+        tables = self.block_table.update(plan)
         starts = np.array(plan.num_computed_tokens, dtype=np.int64)
         dev = self.device
         decode_only = plan.is_decode_only
         if decode_only:  # one row per entry
-            positions, token_rows = starts, rows
+            positions, seq_of_token = starts, self._arange[:n]
             seq_lens = starts + 1
             query_start_loc = self._arange[: n + 1]
             max_query_len = 1
@@ -171,10 +170,8 @@ class ModelRunner:
             seq_of_token = np.repeat(self._arange[:n], q_lens)
             positions = np.arange(len(plan.token_ids), dtype=np.int64) + np.repeat(starts - query_start_loc[:-1],
                                                                                   q_lens)
-            token_rows = rows[seq_of_token]
             max_query_len = int(q_lens.max())
-        slots = table.table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
-        block_tables = table.table[rows, : int(table.lens[rows].max())]
+        slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens32 = seq_lens.astype(np.int32)
         if decode_only and n < len(self._dev_arange32):
             query_starts = self._decode_query_starts.get(n)
@@ -186,7 +183,7 @@ class ModelRunner:
             slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
             query_start_loc=query_starts,
             seq_lens=torch.from_numpy(seq_lens32).to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(block_tables).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
             max_query_len=max_query_len, max_seq_len=int(seq_lens.max()))
         if self._host_lists:
             meta.query_start_loc_cpu = query_start_loc.tolist()

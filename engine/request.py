@@ -180,6 +180,15 @@ class Request:
     runner's block-table row (dropped at the next plan) and the connector's
     own work for it (ended by request_finished)."""
 
+    # Slots: the scheduler reads several fields of every running request each
+    # step; compact fields cost fewer cache misses than a dict's (measured with
+    # cold caches, as after a GPU step).
+    __slots__ = ("request_id", "params", "eos_token_id", "arrival_time", "prompt_token_ids",
+                 "num_prompt_tokens", "output_token_ids", "all_token_ids", "num_computed_tokens", "status",
+                 "logprobs", "num_cached_tokens", "num_external_tokens", "num_preemptions", "stop_reason",
+                 "kv_transfer_params", "stop_token_set", "blocks", "block_ids", "num_named_blocks",
+                 "block_hashes", "detokenizer", "generator", "__weakref__")
+
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_id: Optional[int] = None, arrival_time: Optional[float] = None,
                  output_token_ids: Optional[list[int]] = None) -> None:
@@ -190,6 +199,7 @@ class Request:
         self.eos_token_id = eos_token_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.prompt_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)  # the prompt never changes
         # Tokens sampled elsewhere (a prefill service's first token) arrive here.
         self.output_token_ids: list[int] = list(output_token_ids or [])
         self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
@@ -219,10 +229,6 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

@@ -151,6 +151,7 @@ class Scheduler:
         returns the budget left."""
         allocate = self.kv.allocate_slots
         running = RequestStatus.RUNNING
+        threshold = self.config.long_prefill_token_threshold
         # Most entries of a step are decodes; they are added here, inline,
         # instead of through _emit (a quarter of schedule()'s time at batch 256).
         request_ids, starts, counts = out.request_ids, out.num_computed_tokens, out.num_new_tokens
@@ -162,7 +163,11 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             tokens = request.all_token_ids
             start = request.num_computed_tokens
-            num_new = self._chunk(len(tokens) - start, budget)
+            num_new = len(tokens) - start  # what _chunk decides, inline: this runs for every request
+            if num_new > budget:
+                num_new = budget
+            if 0 < threshold < num_new:
+                num_new = threshold
             if num_new <= 0:
                 continue
             new_blocks = allocate(request, num_new)
@@ -175,7 +180,7 @@ class Scheduler:
             if new_blocks is None:
                 continue
             budget -= num_new
-            if new_blocks is NO_NEW_BLOCKS and start + 1 == len(tokens) and start >= len(request.prompt_token_ids):
+            if new_blocks is NO_NEW_BLOCKS and start + 1 == len(tokens) and start >= request.num_prompt_tokens:
                 # What _emit does for a decode into a slot the request holds.
                 request.num_computed_tokens = start + 1
                 sampled.append(len(request_ids))
@@ -307,7 +312,7 @@ class Scheduler:
         if end == len(tokens):  # reaches the last known token: its logits are sampled
             out.sampled.append(len(out.request_ids) - 1)
             self._sampling.append(request)
-        prompt_end = len(request.prompt_token_ids)
+        prompt_end = request.num_prompt_tokens
         if start < prompt_end and request.num_preemptions == 0:
             self.stats.prompt_tokens_computed += min(end, prompt_end) - start
 
@@ -398,10 +403,10 @@ def _output(request: Request, token_ids: list[int], text: str, logprobs: Sequenc
     # Positional: this runs for every request every step.
     if status is None:
         return RequestOutput(request.request_id, token_ids, text, logprobs, False, None,
-                             len(request.prompt_token_ids), len(request.output_token_ids),
+                             request.num_prompt_tokens, len(request.output_token_ids),
                              request.num_cached_tokens, request.num_external_tokens, request.stop_reason,
                              NO_PARAMS)
     return RequestOutput(request.request_id, token_ids, text, logprobs, True, status.value,
-                         len(request.prompt_token_ids), len(request.output_token_ids),
+                         request.num_prompt_tokens, len(request.output_token_ids),
                          request.num_cached_tokens, request.num_external_tokens, request.stop_reason,
                          request.kv_transfer_params)
