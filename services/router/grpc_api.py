@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 
 import grpc
 
+from tandem.services.router.auth import bearer_token, key_matches
 from tandem.services.router.dispatch import DispatchError
 from tandem.services.router.frontend import Frontend, InvalidRequest, new_request_id
 from tandem.services.router.telemetry import RouterTelemetry
@@ -23,18 +23,14 @@ class TandemServicer(generate_pb2_grpc.TandemServiceServicer):
                  max_in_flight: int = 1024) -> None:
         self.frontend = frontend
         self.telemetry = telemetry
-        self.api_keys = api_keys
+        self.api_keys = [k.encode() for k in api_keys]
         self.max_in_flight = max_in_flight
 
     def _authorized(self, context: grpc.aio.ServicerContext) -> bool:
         if not self.api_keys:
             return True
         given = dict(context.invocation_metadata() or ()).get("authorization", "")
-        token = given[7:] if given.lower().startswith("bearer ") else ""
-        ok = False
-        for key in self.api_keys:
-            ok |= hmac.compare_digest(token.encode(), key.encode())
-        return ok
+        return key_matches(bearer_token(given.encode()), self.api_keys)
 
     async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         if not self._authorized(context):
