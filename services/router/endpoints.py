@@ -81,10 +81,9 @@ class OpenAIEndpoints:
             raise InvalidRequest("top_logprobs: needs logprobs set to true", param="top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = body.sampling_params(max_tokens, logprobs)
-        self.frontend.finalize_params(len(prompt), params)
+        params = self.frontend.finalize_params(len(prompt), body.sampling_params(max_tokens, logprobs))
         request_id = new_request_id("chatcmpl")
-        n = params.n or 1
+        n = params.n
         generation = Generation(request_id, now(), self.frontend.model.model_id,
                                 self.frontend.generate(request_id, prompt, params),
                                 num_choices=n, choices_per_prompt=n)
@@ -102,8 +101,8 @@ class OpenAIEndpoints:
         created = now()
         per_prompt = []
         for pi, prompt in enumerate(prepared.prompts):
-            params = body.sampling_params(body.max_tokens, body.logprobs)
-            self.frontend.finalize_params(len(prompt), params)
+            params = self.frontend.finalize_params(len(prompt),
+                                                   body.sampling_params(body.max_tokens, body.logprobs))
             per_prompt.append(self.frontend.generate(f"{request_id}-p{pi}", prompt, params))
 
         async def flat() -> AsyncIterator[tuple[int, Delta]]:

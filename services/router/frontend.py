@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
-from tandem.engine.request import choice_seed
+from tandem.engine.request import SamplingParams, SamplingParamsError
 from tandem.services.router.dispatch import Delta, Dispatcher, merge_choices
 from tandem.services.router.prompts import InvalidRequest, PromptPool
 from tandem.v1 import common_pb2
@@ -47,12 +47,10 @@ class Frontend:
 
     # --- sampling parameters ----------------------------------------------------------
 
-    def finalize_params(self, prompt_len: int, params: common_pb2.SamplingParams) -> None:
-        """Validate (the engine's own rules) and fit max_tokens to the context.
-        Mutates params: an unset max_tokens becomes what the context leaves.
-        The prompt is shorter than the context (the PromptPool checked it)."""
-        from tandem.engine.request import SamplingParamsError
-
+    def finalize_params(self, prompt_len: int, params: common_pb2.SamplingParams) -> SamplingParams:
+        """The request's parameters validated by the engine's own rules, with
+        max_tokens fitted to the context: an unset one becomes what the context
+        leaves. The prompt is shorter than the context (the PromptPool checked it)."""
         from tandem.services.common.engine_service import sampling_params_from_proto
 
         limit = self.model.max_model_len
@@ -65,28 +63,22 @@ class Frontend:
                 f"{limit - prompt_len} or shorten the prompt.",
                 param="max_tokens", code="context_length_exceeded")
         try:
-            sampling_params_from_proto(params)
+            checked = sampling_params_from_proto(params)
         except SamplingParamsError as exc:
-            field_name = str(exc).split(":", 1)[0]
-            raise InvalidRequest(str(exc), param=field_name) from None
-        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise InvalidRequest(str(exc), param=exc.field) from None
+        if any(t >= self.vocab_size for t in checked.stop_token_ids):
             raise InvalidRequest("stop_token_ids: outside the vocabulary", param="stop_token_ids")
+        return checked
 
     # --- generation ------------------------------------------------------------------
 
     def generate(self, request_id: str, prompt: list[int],
-                 params: common_pb2.SamplingParams) -> AsyncIterator[tuple[int, Delta]]:
-        """n choices as n independent pipelines (request ids {id}-{i}), interleaved
-        as (choice index, delta). Choice i gets the seed seed+i wrapped around
-        within int64, so that it fits the wire: seed 2**63-1 gives choice 1 the
-        seed -2**63."""
-        n = params.n or 1
-        streams = []
-        for i in range(n):
-            p = common_pb2.SamplingParams()
-            p.CopyFrom(params)
-            p.n = 1
-            if params.HasField("seed"):
-                p.seed = choice_seed(params.seed, i)
-            streams.append(self.dispatcher.generate(f"{request_id}-{i}", prompt, p))
+                 params: SamplingParams) -> AsyncIterator[tuple[int, Delta]]:
+        """n choices as n independent pipelines (request ids {id}-{i}; the
+        parameters of each from SamplingParams.choices), interleaved as
+        (choice index, delta)."""
+        from tandem.services.common.engine_service import sampling_params_to_proto
+
+        streams = [self.dispatcher.generate(f"{request_id}-{i}", prompt, sampling_params_to_proto(p))
+                   for i, p in enumerate(params.choices())]
         return merge_choices(streams)

@@ -50,7 +50,7 @@ class TandemServicer(generate_pb2_grpc.TandemServiceServicer):
             prompt = await self.frontend.prompts.generate(request.SerializeToString())
             params = common_pb2.SamplingParams()
             params.CopyFrom(request.params)
-            self.frontend.finalize_params(len(prompt), params)
+            params = self.frontend.finalize_params(len(prompt), params)
             # Unique even when clients reuse ids: the engines key requests by it.
             request_id = new_request_id(request.request_id[:64] or "gen")
             # aclosing: a client that cancels must cancel the downstream calls
