@@ -268,8 +268,6 @@ def plan_stack(args: argparse.Namespace, log_dir: str) -> tuple[Child, list[Chil
                     "--model", args.model, "--routing", args.routing,
                     "--prefill-threshold", str(args.prefill_threshold),
                     "--max-in-flight", str(args.max_in_flight), *tls_flags]
-    if args.max_model_len:
-        router_flags += ["--max-model-len", str(args.max_model_len)]
     if args.tokenizer:
         router_flags += ["--tokenizer", args.tokenizer]
     return kvstore, prefills, decodes, router_flags
@@ -477,7 +475,9 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--store", default="memory",
              help="KV store backend: memory, or a Redis URL such as redis://127.0.0.1:6379/0")
     add_flag(p, "--model", default=DEFAULT_MODEL, help="model id, HF folder or .gguf file; the default is the embedded SmolLM2")
-    add_flag(p, "--max-model-len", type=int, default=None, help="context length; unset: the model's own")
+    add_flag(p, "--max-model-len", type=int, default=None,
+             help="the engines' context length; unset: the model's own (the router checks requests "
+                  "against what the engines report)")
     add_flag(p, "--tokenizer", default=None,
              help="tokenizer for every engine and the router instead of the model's own: HF folder, "
                   ".gguf file or 'smollm2' (serves a dummy-weight config-only model folder)")

@@ -16,10 +16,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.services.router.auth import RequireAPIKey
 from tandem.services.router.backends import BackendPool
+from tandem.services.router.dispatch import DispatchError
 from tandem.services.router.endpoints import OpenAIEndpoints
 from tandem.services.router.frontend import Frontend
 from tandem.services.router.handling import GatewayConfig, RequestHandler
-from tandem.services.router.http_errors import error_response
+from tandem.services.router.http_errors import RETRY, error_response
 from tandem.services.router.openai_protocol import now
 from tandem.services.router.sse import INTERNAL_ERROR
 from tandem.services.router.telemetry import RouterTelemetry
@@ -64,9 +65,12 @@ def create_app(frontend: Frontend, telemetry: RouterTelemetry, pools: dict[str, 
 
     @app.get("/v1/models")
     async def models():
-        m = frontend.model
-        return {"object": "list", "data": [{"id": m.model_id, "object": "model", "created": now(),
-                                            "owned_by": "tandem", "max_model_len": m.max_model_len}]}
+        try:
+            view = frontend.view()
+        except DispatchError as exc:
+            return error_response(exc.http_status, exc.message, headers=RETRY)
+        return {"object": "list", "data": [{"id": view.model_id, "object": "model", "created": now(),
+                                            "owned_by": "tandem", "max_model_len": view.max_model_len}]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

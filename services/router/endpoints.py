@@ -11,7 +11,7 @@ from fastapi.responses import Response
 
 from tandem.services.router.answers import Choice, Generation, answer
 from tandem.services.router.dispatch import Delta, merge_choices
-from tandem.services.router.frontend import Frontend, InvalidRequest, new_request_id
+from tandem.services.router.frontend import Frontend, InvalidRequest, ModelView, new_request_id
 from tandem.services.router.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                                     LogprobFormatter, now)
 from tandem.services.router.prompts import Prepared
@@ -74,23 +74,26 @@ class OpenAIEndpoints:
         self.frontend = frontend
         self.formatter = LogprobFormatter(frontend.model.tokenizer)
 
-    async def chat(self, request: Request, prepared: Prepared, clock: RequestClock) -> Response:
+    async def chat(self, request: Request, prepared: Prepared, view: ModelView,
+                   clock: RequestClock) -> Response:
         body: ChatCompletionRequest = prepared.body
         prompt = prepared.prompts[0]
         if body.top_logprobs is not None and not body.logprobs:
             raise InvalidRequest("top_logprobs: needs logprobs set to true", param="top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = self.frontend.finalize_params(len(prompt), body.sampling_params(max_tokens, logprobs))
+        params = self.frontend.finalize_params(len(prompt), body.sampling_params(max_tokens, logprobs),
+                                               view.max_model_len)
         request_id = new_request_id("chatcmpl")
         n = params.n
-        generation = Generation(request_id, now(), self.frontend.model.model_id,
+        generation = Generation(request_id, now(), view.model_id,
                                 self.frontend.generate(request_id, prompt, params),
                                 num_choices=n, choices_per_prompt=n)
         return await answer(request, generation, ChatShape(self.formatter, logprobs), clock,
                             body.stream, _include_usage(body))
 
-    async def completion(self, request: Request, prepared: Prepared, clock: RequestClock) -> Response:
+    async def completion(self, request: Request, prepared: Prepared, view: ModelView,
+                         clock: RequestClock) -> Response:
         body: CompletionRequest = prepared.body
         if body.echo:
             raise InvalidRequest("echo: not supported", param="echo")
@@ -101,8 +104,8 @@ class OpenAIEndpoints:
         created = now()
         per_prompt = []
         for pi, prompt in enumerate(prepared.prompts):
-            params = self.frontend.finalize_params(len(prompt),
-                                                   body.sampling_params(body.max_tokens, body.logprobs))
+            params = self.frontend.finalize_params(
+                len(prompt), body.sampling_params(body.max_tokens, body.logprobs), view.max_model_len)
             per_prompt.append(self.frontend.generate(f"{request_id}-p{pi}", prompt, params))
 
         async def flat() -> AsyncIterator[tuple[int, Delta]]:
@@ -110,7 +113,7 @@ class OpenAIEndpoints:
             async for pi, (ci, d) in merge_choices(per_prompt):
                 yield pi * n + ci, d
 
-        generation = Generation(request_id, created, self.frontend.model.model_id, flat(),
+        generation = Generation(request_id, created, view.model_id, flat(),
                                 num_choices=len(per_prompt) * n, choices_per_prompt=n)
         return await answer(request, generation, CompletionShape(self.formatter, body.logprobs), clock,
                             body.stream, _include_usage(body))

@@ -44,13 +44,14 @@ class TandemServicer(generate_pb2_grpc.TandemServiceServicer):
         clock = self.telemetry.start()
         status = grpc.StatusCode.OK
         try:
+            view = self.frontend.view()
             self.frontend.check_model(request.model)
             # Templated and tokenized in the PromptPool, off the event loop; the
             # worker parses the input from the bytes itself.
-            prompt = await self.frontend.prompts.generate(request.SerializeToString())
+            prompt = await self.frontend.prompts.generate(request.SerializeToString(), view.max_model_len)
             params = common_pb2.SamplingParams()
             params.CopyFrom(request.params)
-            params = self.frontend.finalize_params(len(prompt), params)
+            params = self.frontend.finalize_params(len(prompt), params, view.max_model_len)
             # Unique even when clients reuse ids: the engines key requests by it.
             request_id = new_request_id(request.request_id[:64] or "gen")
             # aclosing: a client that cancels must cancel the downstream calls
@@ -87,9 +88,12 @@ class TandemServicer(generate_pb2_grpc.TandemServiceServicer):
         if not self._authorized(context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "missing or invalid API key: send metadata 'authorization: Bearer <key>'")
-        m = self.frontend.model
+        try:
+            view = self.frontend.view()
+        except DispatchError as exc:
+            await context.abort(exc.code, exc.message)
         return generate_pb2.ListModelsResponse(
-            models=[generate_pb2.ModelCard(id=m.model_id, max_model_len=m.max_model_len)])
+            models=[generate_pb2.ModelCard(id=view.model_id, max_model_len=view.max_model_len)])
 
 
 def add_tandem_service(server: grpc.aio.Server, servicer: TandemServicer) -> list[str]:

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from tandem.services.router.dispatch import DispatchError
-from tandem.services.router.frontend import Frontend, InvalidRequest
+from tandem.services.router.frontend import Frontend, InvalidRequest, ModelView
 from tandem.services.router.http_errors import CLOSE, RETRY, error_response
 from tandem.services.router.prompts import Prepared
 from tandem.services.router.sse import INTERNAL_ERROR, ClientGone
@@ -27,8 +27,8 @@ from tandem.services.router.telemetry import RequestClock, RouterTelemetry
 
 log = logging.getLogger(__name__)
 
-Prepare = Callable[[bytes], Awaitable[Prepared]]
-Endpoint = Callable[[Request, Prepared, RequestClock], Awaitable[Response]]
+Prepare = Callable[[bytes, int], Awaitable[Prepared]]  # (body, the context limit) -> prompts
+Endpoint = Callable[[Request, Prepared, ModelView, RequestClock], Awaitable[Response]]
 
 
 @dataclass
@@ -96,9 +96,12 @@ class RequestHandler:
             return refused
         clock = telemetry.start()
         try:
-            prepared = await prepare(raw)
+            # One view of the engines for the whole request: its prompt and
+            # max_tokens are checked against the same context limit.
+            view = self.frontend.view()
+            prepared = await prepare(raw, view.max_model_len)
             self.frontend.check_model(prepared.body.model)
-            response = await endpoint(request, prepared, clock)
+            response = await endpoint(request, prepared, view, clock)
             if not isinstance(response, StreamingResponse):
                 clock.finish(str(response.status_code))
             return response

@@ -1,6 +1,8 @@
 """Prompts: what a client sent, turned into token ids (the chat template
 applied, then tokenized) and checked against the vocabulary, the context and
-the most choices one request may ask for.
+the most choices one request may ask for. The context limit travels with
+each job: it is what the engines report now (engine_reports.py), which
+changes as instances come and go.
 
 This is the router's CPU-heavy work, and it grows with the body: for a 4 MiB
 body of 90k chat messages, parsing takes 0.4 s, the chat template (pure
@@ -70,23 +72,24 @@ class Prepared:
 
 
 class Prompter:
-    """Body -> token ids. Pure and synchronous: it runs in the pool's workers."""
+    """Body -> token ids. Pure and synchronous: it runs in the pool's workers.
+    Each whole-request method gets the context limit of its job."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int, max_choices: int) -> None:
+    def __init__(self, tokenizer: Any, max_choices: int) -> None:
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
         self.max_choices = max_choices
         self.vocab_size = len(tokenizer)
 
     # --- whole requests ---------------------------------------------------------------
 
-    def chat_completion(self, raw: bytes) -> Prepared:
+    def chat_completion(self, raw: bytes, max_model_len: int) -> Prepared:
         body = _parse(raw, ChatCompletionRequest)
         self._check_choices(1, body.n)
         ids = self.chat([{"role": m.role, "content": m.text()} for m in body.messages])
-        return Prepared(body.model_copy(update={"messages": []}), [ids])
+        return Prepared(body.model_copy(update={"messages": []}),
+                        [_fits(ids, "messages", max_model_len)])
 
-    def completion(self, raw: bytes) -> Prepared:
+    def completion(self, raw: bytes, max_model_len: int) -> Prepared:
         body = _parse(raw, CompletionRequest)
         p = body.prompt
         if not p:
@@ -95,26 +98,30 @@ class Prompter:
         # Before tokenizing: a request for 20k prompts is refused in microseconds.
         self._check_choices(len(p) if many else 1, body.n)
         if isinstance(p, str):
-            prompts = [self.text(p)]
+            prompts = [_fits(self.text(p), "prompt", max_model_len)]
         elif isinstance(p[0], int):
-            prompts = [self.token_ids(p)]
+            prompts = [_fits(self.token_ids(p), "prompt", max_model_len)]
         elif isinstance(p[0], str):
-            prompts = [self.text(s, param=f"prompt[{i}]") for i, s in enumerate(p)]
+            prompts = [_fits(self.text(s, param=f"prompt[{i}]"), "prompt", max_model_len)
+                       for i, s in enumerate(p)]
         else:
-            prompts = [self.token_ids(ids, param=f"prompt[{i}]") for i, ids in enumerate(p)]
+            prompts = [_fits(self.token_ids(ids, param=f"prompt[{i}]"), "prompt", max_model_len)
+                       for i, ids in enumerate(p)]
         return Prepared(body.model_copy(update={"prompt": []}), prompts)
 
-    def generate(self, raw: bytes) -> list[int]:
+    def generate(self, raw: bytes, max_model_len: int) -> list[int]:
         """The prompt of a serialized tandem.v1.GenerateRequest (the public gRPC API)."""
         request = generate_pb2.GenerateRequest.FromString(raw)
         self._check_choices(1, request.params.n or 1)
         which = request.WhichOneof("input")
         if which == "prompt":
-            return self.text(request.prompt)
+            return _fits(self.text(request.prompt), "prompt", max_model_len)
         if which == "token_ids":
-            return self.token_ids(request.token_ids.ids, param="token_ids")
+            return _fits(self.token_ids(request.token_ids.ids, param="token_ids"), "token_ids",
+                         max_model_len)
         if which == "chat":
-            return self.chat([{"role": m.role, "content": m.content} for m in request.chat.messages])
+            ids = self.chat([{"role": m.role, "content": m.content} for m in request.chat.messages])
+            return _fits(ids, "messages", max_model_len)
         raise InvalidRequest("input: set one of prompt, token_ids or chat", param="input")
 
     # --- prompts ------------------------------------------------------------------------
@@ -146,7 +153,7 @@ class Prompter:
         ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         if not ids:
             raise InvalidRequest(f"{param}: tokenizes to no tokens", param=param)
-        return self._fits(list(ids), param)
+        return list(ids)
 
     def token_ids(self, ids: Sequence[int], param: str = "prompt") -> list[int]:
         if not ids:
@@ -155,17 +162,7 @@ class Prompter:
             if not (0 <= t < self.vocab_size):
                 raise InvalidRequest(f"{param}: token id {t} is outside the vocabulary "
                                      f"[0, {self.vocab_size})", param=param)
-        return self._fits(list(ids), param)
-
-    def _fits(self, ids: list[int], param: str) -> list[int]:
-        # Checked here, not only by the frontend, so that a prompt far over the
-        # context never travels back to the event loop as a million ids.
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequest(
-                f"This model's maximum context length is {self.max_model_len} tokens and the prompt "
-                f"has {len(ids)}; shorten the prompt.", param=param.split("[")[0],
-                code="context_length_exceeded")
-        return ids
+        return list(ids)
 
     def _check_choices(self, prompts: int, n: int) -> None:
         if prompts * n > self.max_choices:
@@ -174,6 +171,16 @@ class Prompter:
                 f"{param}: {prompts} prompt(s) x n={n} ask for {prompts * n} completions; this "
                 f"router takes at most {self.max_choices} in one request "
                 "(--max-choices-per-request): split the request", param=param)
+
+
+def _fits(ids: list[int], param: str, max_model_len: int) -> list[int]:
+    # Checked here, not only by the frontend, so that a prompt far over the
+    # context never travels back to the event loop as a million ids.
+    if len(ids) >= max_model_len:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens and the prompt "
+            f"has {len(ids)}; shorten the prompt.", param=param, code="context_length_exceeded")
+    return ids
 
 
 def _parse(raw: bytes, kind: type[pydantic.BaseModel]) -> Any:
@@ -194,7 +201,7 @@ _worker: Optional[Prompter] = None  # the Prompter of this worker process
 WORKER_NICENESS = 10
 
 
-def _init_worker(tokenizer_blob: bytes, max_model_len: int, max_choices: int) -> None:
+def _init_worker(tokenizer_blob: bytes, max_choices: int) -> None:
     global _worker
     # Ctrl+C reaches the whole process group; the router stops its workers itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -202,11 +209,11 @@ def _init_worker(tokenizer_blob: bytes, max_model_len: int, max_choices: int) ->
     # Below the event loop: where CPUs are short, streams under way go first and
     # a huge body waits for its tokens (it is refused or served later anyway).
     os.nice(WORKER_NICENESS)
-    _worker = Prompter(pickle.loads(tokenizer_blob), max_model_len, max_choices)
+    _worker = Prompter(pickle.loads(tokenizer_blob), max_choices)
 
 
-def _run(method: str, arg: Any) -> Any:
-    return getattr(_worker, method)(arg)
+def _run(method: str, arg: Any, max_model_len: int) -> Any:
+    return getattr(_worker, method)(arg, max_model_len)
 
 
 def _die_with_parent() -> None:
@@ -227,13 +234,18 @@ class PromptPool:
     with Retry-After) rather than waiting behind a queue of huge bodies. A job
     counts until its worker finishes it, even when its client has gone: the
     worker is busy either way.
+
+    Each job carries the context limit its prompts must fit; `max_model_len`
+    here is only the limit of jobs submitted without one (a pool used on its
+    own). The router's Frontend gives every job the engines' current limit.
     """
 
-    def __init__(self, tokenizer: Any, max_model_len: int, max_choices: int = 256,
+    def __init__(self, tokenizer: Any, max_model_len: Optional[int] = None, max_choices: int = 256,
                  workers: int = 2, queue: int = 256) -> None:
         if workers < 1:
             raise ValueError("a PromptPool needs at least one worker")
-        self._initargs = (pickle.dumps(tokenizer), max_model_len, max_choices)
+        self.max_model_len = max_model_len
+        self._initargs = (pickle.dumps(tokenizer), max_choices)
         self.workers = workers
         self.queue = queue
         self.outstanding = 0
@@ -251,16 +263,19 @@ class PromptPool:
             concurrent.futures.wait([executor.submit(os.getpid) for _ in range(self.workers)])
         return executor
 
-    async def chat_completion(self, raw: bytes) -> Prepared:
-        return await self._submit("chat_completion", raw)
+    async def chat_completion(self, raw: bytes, max_model_len: Optional[int] = None) -> Prepared:
+        return await self._submit("chat_completion", raw, max_model_len)
 
-    async def completion(self, raw: bytes) -> Prepared:
-        return await self._submit("completion", raw)
+    async def completion(self, raw: bytes, max_model_len: Optional[int] = None) -> Prepared:
+        return await self._submit("completion", raw, max_model_len)
 
-    async def generate(self, raw: bytes) -> list[int]:
-        return await self._submit("generate", raw)
+    async def generate(self, raw: bytes, max_model_len: Optional[int] = None) -> list[int]:
+        return await self._submit("generate", raw, max_model_len)
 
-    async def _submit(self, method: str, arg: Any) -> Any:
+    async def _submit(self, method: str, arg: Any, max_model_len: Optional[int]) -> Any:
+        limit = max_model_len if max_model_len is not None else self.max_model_len
+        if limit is None:
+            raise ValueError("PromptPool: a job needs a context limit (max_model_len)")
         if self.outstanding >= self.workers + self.queue:
             raise DispatchError(
                 f"the router's tokenizer workers have {self.outstanding} prompts to prepare, their "
@@ -269,7 +284,7 @@ class PromptPool:
         loop = asyncio.get_running_loop()
         executor = self._executor
         try:
-            job = executor.submit(_run, method, arg)
+            job = executor.submit(_run, method, arg, limit)
         except BrokenProcessPool:
             raise self._broken(executor) from None
         self.outstanding += 1

@@ -33,6 +33,7 @@ class _RecordingDispatcher:
 
 
 def test_the_router_sends_each_choice_with_the_engines_choice_params():
+    from tandem.services.router.engine_reports import EngineReports
     from tandem.services.router.frontend import Frontend, ServedModel
 
     class Tokenizer:
@@ -40,9 +41,10 @@ def test_the_router_sends_each_choice_with_the_engines_choice_params():
             return 100
 
     dispatcher = _RecordingDispatcher()
-    frontend = Frontend(ServedModel("m", 64, Tokenizer()), dispatcher, prompts=None)
+    frontend = Frontend(ServedModel("m", tokenizer=Tokenizer()), dispatcher, prompts=None,
+                        reports=EngineReports("m"))
     wire = common_pb2.SamplingParams(n=2, seed=INT64_MAX, temperature=0.5, max_tokens=4)
-    params = frontend.finalize_params(3, wire)
+    params = frontend.finalize_params(3, wire, max_model_len=64)
 
     async def run() -> list[int]:
         return [index async for index, _ in frontend.generate("req", [1, 2, 3], params)]

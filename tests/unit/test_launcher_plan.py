@@ -31,3 +31,9 @@ def test_given_ports_are_kept_and_a_turned_off_grpc_api_stays_off(tmp_path):
                                        tmp_path=tmp_path)
     assert flag(kvstore.argv, "--port") == 18124
     assert (flag(router_flags, "--port"), flag(router_flags, "--grpc-port")) == (18123, -1)
+
+
+def test_max_model_len_goes_to_the_engines_and_the_router_takes_theirs(tmp_path):
+    _, prefills, decodes, router_flags = plan("--max-model-len", "512", tmp_path=tmp_path)
+    assert all(flag(c.argv, "--max-model-len") == 512 for c in prefills + decodes)
+    assert "--max-model-len" not in router_flags
