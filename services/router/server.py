@@ -90,18 +90,20 @@ def api_keys_from_flag(keys: Optional[list[str]]) -> list[str]:
 
 
 def _served_model(args: argparse.Namespace):
+    """The tokenizer only: the model's id and context come from the engines,
+    and its config would bring torch into this process (loader.load_tokenizer)."""
     from tandem.engine.loader import (EMBEDDED_ALIASES, EMBEDDED_MODEL_ID, ModelNotFoundError,
-                                      load_model_info)
+                                      load_tokenizer)
     from tandem.services.router.frontend import ServedModel
 
     try:
-        info = load_model_info(args.model, tokenizer=getattr(args, "tokenizer", None))
+        loaded = load_tokenizer(args.model, tokenizer=getattr(args, "tokenizer", None))
     except ModelNotFoundError as exc:
         config_error(f"--model: {exc}")
     aliases = {args.model}
-    if info.model_id == EMBEDDED_MODEL_ID:
+    if loaded.model_id == EMBEDDED_MODEL_ID:
         aliases |= set(EMBEDDED_ALIASES)
-    return ServedModel(model_id=info.model_id, tokenizer=info.tokenizer, aliases=aliases)
+    return ServedModel(model_id=loaded.model_id, tokenizer=loaded.tokenizer, aliases=aliases)
 
 
 class _Uvicorn:
