@@ -14,7 +14,7 @@ from tandem.services.router.dispatch import Delta, merge_choices
 from tandem.services.router.frontend import Frontend, InvalidRequest, ModelView, new_request_id
 from tandem.services.router.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                                     LogprobFormatter, now)
-from tandem.services.router.prompts import Prepared
+from tandem.services.router.prompter import Prepared
 from tandem.services.router.telemetry import RequestClock
 
 

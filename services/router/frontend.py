@@ -18,7 +18,8 @@ import grpc
 from tandem.engine.request import SamplingParams, SamplingParamsError
 from tandem.services.router.dispatch import Delta, DispatchError, Dispatcher, merge_choices
 from tandem.services.router.engine_reports import EngineReports, ModelView
-from tandem.services.router.prompts import InvalidRequest, PromptPool
+from tandem.services.router.prompter import InvalidRequest
+from tandem.services.router.prompts import PromptPool
 from tandem.v1 import common_pb2
 
 __all__ = ["Frontend", "InvalidRequest", "ModelView", "ServedModel", "new_request_id"]

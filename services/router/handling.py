@@ -21,7 +21,7 @@ from starlette.requests import ClientDisconnect
 from tandem.services.router.dispatch import DispatchError
 from tandem.services.router.frontend import Frontend, InvalidRequest, ModelView
 from tandem.services.router.http_errors import CLOSE, RETRY, error_response
-from tandem.services.router.prompts import Prepared
+from tandem.services.router.prompter import Prepared
 from tandem.services.router.sse import INTERNAL_ERROR, ClientGone
 from tandem.services.router.telemetry import RequestClock, RouterTelemetry
 

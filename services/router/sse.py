@@ -17,7 +17,7 @@ from fastapi.responses import StreamingResponse
 
 from tandem.services.router.dispatch import DispatchError
 from tandem.services.router.openai_protocol import error_body
-from tandem.services.router.prompts import InvalidRequest
+from tandem.services.router.prompter import InvalidRequest
 from tandem.services.router.telemetry import RequestClock
 
 log = logging.getLogger(__name__)
