@@ -62,6 +62,18 @@ def _write_folder(folder: str, config: Any, tokenizer: Any, state: dict[str, tor
               os.path.join(folder, "model.safetensors"))
 
 
+def existing_folder(gguf_path: str) -> Optional[str]:
+    """The converted folder for `gguf_path` if one is complete, without
+    building it (building de-quantizes the weights, which needs torch)."""
+    if not enabled():
+        return None
+    try:
+        folder = cache_folder(gguf_path)
+    except OSError:
+        return None
+    return folder if os.path.exists(os.path.join(folder, COMPLETE_MARKER)) else None
+
+
 def cached_hf_folder(gguf_path: str, read_config: Callable[[], Any], read_tokenizer: Callable[[], Any],
                      read_state: Callable[[], dict[str, torch.Tensor]]) -> Optional[str]:
     """The converted folder for `gguf_path`, building it on first use; None when

@@ -1,13 +1,12 @@
 """Offline use: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Sequence, Union
 
 from tandem.engine.config import DEFAULT_MODEL, EngineArgs
 from tandem.engine.llm_engine import LLMEngine
-from tandem.engine.request import SamplingParams, TokenLogprob, choice_seed
+from tandem.engine.request import SamplingParams, TokenLogprob
 
 Prompt = Union[str, Sequence[int]]
 
@@ -88,10 +87,7 @@ class LLM:
             results.append(result)
             # Parallel sampling: n requests over one prompt. The prefix cache
             # shares the prompt's blocks among them.
-            for j in range(p.n):
-                child = copy.copy(p)
-                child.n = 1
-                child.seed = choice_seed(p.seed, j)
+            for j, child in enumerate(p.choices()):
                 rid = f"{i}#{j}"
                 completion = CompletionOutput(index=j, text="", token_ids=[], logprobs=[], finish_reason=None)
                 result.outputs.append(completion)

@@ -4,6 +4,12 @@ file (through transformers' GGUF reader), the embedded SmolLM2, or random
 
 transformers supplies configs, tokenizers, chat templates and weight
 conversion; it never runs the model here.
+
+load_tokenizer is the router's view: a model's id and tokenizer, without its
+config and without torch. transformers' AutoConfig and AutoTokenizer import
+torch (transformers.configuration_utils imports modeling_rope_utils, which
+imports torch when it is installed), and so does its GGUF reader; its
+PreTrainedTokenizerFast on a folder with tokenizer.json does not.
 """
 from __future__ import annotations
 
@@ -13,6 +19,9 @@ import importlib.util
 import logging
 import os
 import re
+import subprocess
+import sys
+import tempfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -164,6 +173,63 @@ def load_model_info(model: str, load_format: str = "auto", hf_config: Any = None
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit {limit}")
         limit = max_model_len
     return ModelInfo(source.model_id, config, limit, tok, source)
+
+
+@dataclass
+class ModelTokenizer:
+    """A model's id and tokenizer, without its config or weights (the router's view)."""
+
+    model_id: str
+    tokenizer: Any
+
+
+def load_tokenizer(model: str, tokenizer: Optional[str] = None) -> ModelTokenizer:
+    """The tokenizer of `model` (or the one `tokenizer` names), in a process
+    that never imports torch.
+
+    A folder with tokenizer.json (a HF folder, or a GGUF's converted folder in
+    the cache) loads directly. Otherwise (a GGUF not converted yet, a folder
+    with only slow-tokenizer files) a child process reads it with
+    transformers, which imports torch there, and writes its files into a
+    temporary folder that this process loads: slower (seconds), the same
+    tokenizer."""
+    from tandem.engine import gguf_cache
+
+    source = resolve_source(model)
+    if tokenizer in EMBEDDED_ALIASES:
+        tokenizer = embedded_gguf_path()
+    path = tokenizer or source.path
+    if path is None or not (path.endswith(".gguf") or _has_tokenizer_files(path)):
+        raise ModelNotFoundError(
+            f"model {model!r}: no tokenizer in {path or model}; give --tokenizer (a HF folder with "
+            f"tokenizer files, a .gguf file, or 'smollm2')")
+    kind = "gguf" if path.endswith(".gguf") else "hf_dir"
+    folder = path if kind == "hf_dir" else gguf_cache.existing_folder(path)
+    if folder is not None and os.path.exists(os.path.join(folder, "tokenizer.json")):
+        return ModelTokenizer(source.model_id, _fast_tokenizer(folder))
+    with tempfile.TemporaryDirectory(prefix="tandem-tokenizer-") as tmp:
+        _write_tokenizer_in_child(kind, path, tmp)
+        if os.path.exists(os.path.join(tmp, "tokenizer.json")):
+            return ModelTokenizer(source.model_id, _fast_tokenizer(tmp))
+    log.warning("the tokenizer of %s has no tokenizer.json form; loading it with transformers' "
+                "AutoTokenizer, which imports torch into this process", path)
+    return ModelTokenizer(source.model_id, _tokenizer(kind, path))
+
+
+def _fast_tokenizer(folder: str) -> Any:
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(folder)
+
+
+def _write_tokenizer_in_child(kind: str, path: str, out: str) -> None:
+    code = ("import sys; from tandem.engine.loader import _tokenizer; "
+            "_tokenizer(sys.argv[1], sys.argv[2]).save_pretrained(sys.argv[3])")
+    log.info("reading the tokenizer of %s in a child process (torch stays out of this one)", path)
+    done = subprocess.run([sys.executable, "-c", code, kind, path, out], capture_output=True,
+                          text=True, stdin=subprocess.DEVNULL)
+    if done.returncode != 0:
+        raise ModelNotFoundError(f"cannot read the tokenizer of {path}: {done.stderr.strip()[-2000:]}")
 
 
 @functools.lru_cache(maxsize=2)

@@ -7,6 +7,7 @@ transfer starts num_computed_tokens above zero, preemption resets it to zero.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import time
@@ -106,6 +107,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    def choices(self) -> list[SamplingParams]:
+        """Parallel sampling as n independent requests: the n single-choice
+        parameter sets, choice i seeded with choice_seed(seed, i) so that the
+        choices differ and each is reproducible on its own. The offline LLM
+        and the router both fan out through this."""
+        return [dataclasses.replace(self, n=1, seed=choice_seed(self.seed, i)) for i in range(self.n)]
 
     def validate(self) -> None:
         """The one check of sampling parameters every entry runs (HTTP, gRPC,

@@ -30,7 +30,7 @@ class EngineServicer:
         return common_pb2.AbortResponse()
 
     async def GetLoad(self, request: common_pb2.LoadRequest, context) -> common_pb2.Load:
-        return load_from_stats(self.engine.stats())
+        return load_from_stats(self.engine, self.engine.stats())
 
     async def refuse_if_dead(self, context) -> None:
         """Before admission: a dead engine says UNAVAILABLE, which the router

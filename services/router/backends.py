@@ -3,7 +3,8 @@
 Membership is health-checked: an instance is taken out when its gRPC health
 check or a call to it fails, and put back when a later health check passes.
 Each check also fetches the instance's load (GetLoad) for the least-loaded
-policy.
+policy, with the model the instance serves, which a pool's `vet` may refuse
+(engine_reports.py: every instance must serve the same model).
 """
 from __future__ import annotations
 
@@ -81,6 +82,9 @@ class BackendPool:
         self._retired: list[Instance] = []  # left DNS; closed when idle
         self._task: Optional[asyncio.Task] = None
         self._origin: dict[str, str] = {}  # address -> the target it was resolved from
+        # Why an instance that passed its health check must still take no
+        # requests, given the Load it reported; None: it may.
+        self.vet: Optional[Callable[[Instance, common_pb2.Load], Optional[str]]] = None
 
     def _add(self, address: str, server_name: Optional[str]) -> Instance:
         channel = make_aio_channel(address, self._tls, server_name=server_name)
@@ -135,7 +139,7 @@ class BackendPool:
                                                      timeout=self.check_timeout_s)
             if reply.status != health_pb2.HealthCheckResponse.SERVING:
                 raise RuntimeError("health check says NOT_SERVING")
-            instance.load = await getattr(instance.stub, self._load_method)(
+            load = await getattr(instance.stub, self._load_method)(
                 common_pb2.LoadRequest(), timeout=self.check_timeout_s)
         except (grpc.aio.AioRpcError, RuntimeError) as exc:
             slow = isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -144,6 +148,13 @@ class BackendPool:
                 return  # busy, not gone: one late answer must not empty the pool under load
             reason = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
             self.mark_failed(instance, f"health check failed: {reason}")
+            return
+        instance.load = load
+        refusal = self.vet(instance, load) if self.vet else None
+        if refusal:
+            if refusal != instance.last_error:  # once, not every round
+                log.error("%s instance %s refused: %s", self.role, instance.target, refusal)
+            self.mark_failed(instance, refusal)
             return
         if not instance.healthy:
             log.info("%s instance %s is healthy", self.role, instance.target)

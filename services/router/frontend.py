@@ -1,7 +1,8 @@
-"""What the HTTP gateway and the public gRPC API share: the served model, the
-prompt (chat template applied and tokenized once, in the PromptPool's worker
-processes, off the event loop), validation of sampling parameters against the
-model's context, and the fan-out of n choices into the dispatcher.
+"""What the HTTP gateway and the public gRPC API share: the served model as
+the engines report it (engine_reports.py), the prompt (chat template applied
+and tokenized once, in the PromptPool's worker processes, off the event
+loop), validation of sampling parameters against the engines' context, and
+the fan-out of n choices into the dispatcher.
 
 Errors are InvalidRequest with an OpenAI-style `param`; the APIs turn them
 into HTTP 400/404 or gRPC INVALID_ARGUMENT/NOT_FOUND.
@@ -12,19 +13,29 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
-from tandem.engine.request import choice_seed
-from tandem.services.router.dispatch import Delta, Dispatcher, merge_choices
-from tandem.services.router.prompts import InvalidRequest, PromptPool
+import grpc
+
+from tandem.engine.request import SamplingParams, SamplingParamsError
+from tandem.services.router.dispatch import Delta, DispatchError, Dispatcher, merge_choices
+from tandem.services.router.engine_reports import EngineReports, ModelView
+from tandem.services.router.prompter import InvalidRequest
+from tandem.services.router.prompts import PromptPool
 from tandem.v1 import common_pb2
 
-__all__ = ["Frontend", "InvalidRequest", "ServedModel", "new_request_id"]
+__all__ = ["Frontend", "InvalidRequest", "ModelView", "ServedModel", "new_request_id"]
 
 
 @dataclass
 class ServedModel:
-    model_id: str  # the stable id clients see in /v1/models
-    max_model_len: int
-    tokenizer: Any
+    """The router's own side of the model: its tokenizer and the names it
+    accepts. What the engines serve (id, context) comes from their reports."""
+
+    model_id: str  # what the router's --model names (metrics label; the id while no engine reports)
+    # A context limit for a router built in process in front of engines that
+    # report none (tests' fakes): used only while no engine has reported. The
+    # router process leaves it None.
+    max_model_len: Optional[int] = None
+    tokenizer: Any = None
     aliases: set[str] = field(default_factory=set)  # other names accepted in requests
 
 
@@ -33,29 +44,47 @@ def new_request_id(prefix: str) -> str:
 
 
 class Frontend:
-    def __init__(self, model: ServedModel, dispatcher: Dispatcher, prompts: PromptPool) -> None:
+    def __init__(self, model: ServedModel, dispatcher: Dispatcher, prompts: PromptPool,
+                 reports: Optional[EngineReports] = None) -> None:
         self.model = model
         self.dispatcher = dispatcher
         self.prompts = prompts
+        if reports is None:  # the reports of the pools the dispatcher routes to
+            reports = EngineReports(model.model_id, [dispatcher.prefill, dispatcher.decode])
+        self.reports = reports
         self.vocab_size = len(model.tokenizer)
 
+    def view(self) -> ModelView:
+        """The model and context the engines report now; DispatchError
+        UNAVAILABLE (HTTP 503 with Retry-After) while none has."""
+        view = self.reports.view()
+        if view is not None:
+            return view
+        if self.model.max_model_len is not None:
+            return ModelView(self.model.model_id, self.model.max_model_len, 0)
+        raise DispatchError("no engine instance has reported its model and context length yet; "
+                            "retry shortly", grpc.StatusCode.UNAVAILABLE)
+
     def check_model(self, name: Optional[str]) -> None:
-        if name and name != self.model.model_id and name not in self.model.aliases:
+        if not name or name in self.model.aliases:
+            return
+        served = self.view().model_id
+        if name != served:
             raise InvalidRequest(f"The model {name!r} does not exist; this server serves "
-                                 f"{self.model.model_id!r} (see GET /v1/models).",
+                                 f"{served!r} (see GET /v1/models).",
                                  param="model", status=404, code="model_not_found")
 
     # --- sampling parameters ----------------------------------------------------------
 
-    def finalize_params(self, prompt_len: int, params: common_pb2.SamplingParams) -> None:
-        """Validate (the engine's own rules) and fit max_tokens to the context.
-        Mutates params: an unset max_tokens becomes what the context leaves.
+    def finalize_params(self, prompt_len: int, params: common_pb2.SamplingParams,
+                        max_model_len: int) -> SamplingParams:
+        """The request's parameters validated by the engine's own rules, with
+        max_tokens fitted to the context (max_model_len, the limit its prompt
+        was checked against): an unset one becomes what the context leaves.
         The prompt is shorter than the context (the PromptPool checked it)."""
-        from tandem.engine.request import SamplingParamsError
-
         from tandem.services.common.proto_convert import sampling_params_from_proto
 
-        limit = self.model.max_model_len
+        limit = max_model_len
         if not params.HasField("max_tokens"):
             params.max_tokens = limit - prompt_len
         elif params.max_tokens >= 1 and prompt_len + params.max_tokens > limit:
@@ -65,28 +94,22 @@ class Frontend:
                 f"{limit - prompt_len} or shorten the prompt.",
                 param="max_tokens", code="context_length_exceeded")
         try:
-            sampling_params_from_proto(params)
+            checked = sampling_params_from_proto(params)
         except SamplingParamsError as exc:
-            field_name = str(exc).split(":", 1)[0]
-            raise InvalidRequest(str(exc), param=field_name) from None
-        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise InvalidRequest(str(exc), param=exc.field) from None
+        if any(t >= self.vocab_size for t in checked.stop_token_ids):
             raise InvalidRequest("stop_token_ids: outside the vocabulary", param="stop_token_ids")
+        return checked
 
     # --- generation ------------------------------------------------------------------
 
     def generate(self, request_id: str, prompt: list[int],
-                 params: common_pb2.SamplingParams) -> AsyncIterator[tuple[int, Delta]]:
-        """n choices as n independent pipelines (request ids {id}-{i}), interleaved
-        as (choice index, delta). Choice i gets the seed seed+i wrapped around
-        within int64, so that it fits the wire: seed 2**63-1 gives choice 1 the
-        seed -2**63."""
-        n = params.n or 1
-        streams = []
-        for i in range(n):
-            p = common_pb2.SamplingParams()
-            p.CopyFrom(params)
-            p.n = 1
-            if params.HasField("seed"):
-                p.seed = choice_seed(params.seed, i)
-            streams.append(self.dispatcher.generate(f"{request_id}-{i}", prompt, p))
+                 params: SamplingParams) -> AsyncIterator[tuple[int, Delta]]:
+        """n choices as n independent pipelines (request ids {id}-{i}; the
+        parameters of each from SamplingParams.choices), interleaved as
+        (choice index, delta)."""
+        from tandem.services.common.proto_convert import sampling_params_to_proto
+
+        streams = [self.dispatcher.generate(f"{request_id}-{i}", prompt, sampling_params_to_proto(p))
+                   for i, p in enumerate(params.choices())]
         return merge_choices(streams)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 
 import grpc
 
+from tandem.services.router.auth import bearer_token, key_matches
 from tandem.services.router.dispatch import DispatchError
 from tandem.services.router.frontend import Frontend, InvalidRequest, new_request_id
 from tandem.services.router.telemetry import RouterTelemetry
@@ -23,18 +23,14 @@ class TandemServicer(generate_pb2_grpc.TandemServiceServicer):
                  max_in_flight: int = 1024) -> None:
         self.frontend = frontend
         self.telemetry = telemetry
-        self.api_keys = api_keys
+        self.api_keys = [k.encode() for k in api_keys]
         self.max_in_flight = max_in_flight
 
     def _authorized(self, context: grpc.aio.ServicerContext) -> bool:
         if not self.api_keys:
             return True
         given = dict(context.invocation_metadata() or ()).get("authorization", "")
-        token = given[7:] if given.lower().startswith("bearer ") else ""
-        ok = False
-        for key in self.api_keys:
-            ok |= hmac.compare_digest(token.encode(), key.encode())
-        return ok
+        return key_matches(bearer_token(given.encode()), self.api_keys)
 
     async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         if not self._authorized(context):
@@ -48,13 +44,14 @@ class TandemServicer(generate_pb2_grpc.TandemServiceServicer):
         clock = self.telemetry.start()
         status = grpc.StatusCode.OK
         try:
+            view = self.frontend.view()
             self.frontend.check_model(request.model)
             # Templated and tokenized in the PromptPool, off the event loop; the
             # worker parses the input from the bytes itself.
-            prompt = await self.frontend.prompts.generate(request.SerializeToString())
+            prompt = await self.frontend.prompts.generate(request.SerializeToString(), view.max_model_len)
             params = common_pb2.SamplingParams()
             params.CopyFrom(request.params)
-            self.frontend.finalize_params(len(prompt), params)
+            params = self.frontend.finalize_params(len(prompt), params, view.max_model_len)
             # Unique even when clients reuse ids: the engines key requests by it.
             request_id = new_request_id(request.request_id[:64] or "gen")
             # aclosing: a client that cancels must cancel the downstream calls
@@ -91,9 +88,12 @@ class TandemServicer(generate_pb2_grpc.TandemServiceServicer):
         if not self._authorized(context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "missing or invalid API key: send metadata 'authorization: Bearer <key>'")
-        m = self.frontend.model
+        try:
+            view = self.frontend.view()
+        except DispatchError as exc:
+            await context.abort(exc.code, exc.message)
         return generate_pb2.ListModelsResponse(
-            models=[generate_pb2.ModelCard(id=m.model_id, max_model_len=m.max_model_len)])
+            models=[generate_pb2.ModelCard(id=view.model_id, max_model_len=view.max_model_len)])
 
 
 def add_tandem_service(server: grpc.aio.Server, servicer: TandemServicer) -> list[str]:

@@ -31,9 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="prefill instances as host:port,host:port; none: decode prefills every prompt")
     add_flag(parser, "--decode", default="", help="decode instances as host:port,host:port (at least one)")
     add_flag(parser, "--model", default=DEFAULT_MODEL,
-             help="the model the instances serve (for its tokenizer, chat template and context length)")
-    add_flag(parser, "--max-model-len", type=int, default=None,
-             help="context length; unset: the model's own limit (keep it equal to the engines')")
+             help="the model the instances serve, for its tokenizer and chat template (the model id "
+                  "and context length requests are checked against are what the instances report)")
     add_flag(parser, "--tokenizer", default=None,
              help="tokenizer to use instead of the model's own: HF folder, .gguf file or 'smollm2' "
                   "(keep it equal to the engines')")
@@ -91,19 +90,20 @@ def api_keys_from_flag(keys: Optional[list[str]]) -> list[str]:
 
 
 def _served_model(args: argparse.Namespace):
+    """The tokenizer only: the model's id and context come from the engines,
+    and its config would bring torch into this process (loader.load_tokenizer)."""
     from tandem.engine.loader import (EMBEDDED_ALIASES, EMBEDDED_MODEL_ID, ModelNotFoundError,
-                                      load_model_info)
+                                      load_tokenizer)
     from tandem.services.router.frontend import ServedModel
 
     try:
-        info = load_model_info(args.model, tokenizer=getattr(args, "tokenizer", None))
+        loaded = load_tokenizer(args.model, tokenizer=getattr(args, "tokenizer", None))
     except ModelNotFoundError as exc:
         config_error(f"--model: {exc}")
     aliases = {args.model}
-    if info.model_id == EMBEDDED_MODEL_ID:
+    if loaded.model_id == EMBEDDED_MODEL_ID:
         aliases |= set(EMBEDDED_ALIASES)
-    return ServedModel(model_id=info.model_id, tokenizer=info.tokenizer, aliases=aliases,
-                       max_model_len=args.max_model_len or info.max_model_len)
+    return ServedModel(model_id=loaded.model_id, tokenizer=loaded.tokenizer, aliases=aliases)
 
 
 class _Uvicorn:
@@ -138,6 +138,7 @@ async def _serve(args: argparse.Namespace) -> int:
     from tandem.services.router.app import GatewayConfig, create_app
     from tandem.services.router.backends import BackendPool, parse_targets
     from tandem.services.router.dispatch import Dispatcher
+    from tandem.services.router.engine_reports import EngineReports
     from tandem.services.router.frontend import Frontend
     from tandem.services.router.grpc_api import TandemServicer, add_tandem_service
     from tandem.services.router.policies import make_policy
@@ -163,25 +164,29 @@ async def _serve(args: argparse.Namespace) -> int:
     model = _served_model(args)
     telemetry = RouterTelemetry(model.model_id)
     # Before any traffic: starting the workers takes seconds (each imports transformers).
-    prompts = PromptPool(model.tokenizer, model.max_model_len, args.max_choices_per_request,
+    # Each job gets the context limit the engines report at that moment.
+    prompts = PromptPool(model.tokenizer, max_choices=args.max_choices_per_request,
                          workers=args.tokenizer_workers, queue=args.tokenizer_queue)
     tls = tls_from_args(args)
+    reports = EngineReports(model.model_id)
 
     def pool(role: str, targets: list[str], stub) -> BackendPool:
-        return BackendPool(role, targets, stub, check_interval_s=args.health_interval, tls=tls,
-                           on_checked=lambda p: telemetry.healthy_instances(role, len(p.healthy())))
+        return reports.watch(BackendPool(
+            role, targets, stub, check_interval_s=args.health_interval, tls=tls,
+            on_checked=lambda p: telemetry.healthy_instances(role, len(p.healthy()))))
 
     prefill = pool("prefill", prefill_targets, prefill_pb2_grpc.PrefillServiceStub)
     decode = pool("decode", decode_targets, decode_pb2_grpc.DecodeServiceStub)
     if not await decode.wait_until_healthy(args.startup_timeout):
-        log.warning("no decode instance is healthy yet; requests get 503 until one is")
+        log.warning("no decode instance is healthy yet; requests get 503 until one is and has "
+                    "reported its model")
     await prefill.check_all()
     prefill.start()
     decode.start()
     dispatcher = Dispatcher(prefill, decode, make_policy(args.routing, args.affinity_tokens),
                             make_policy(args.routing, args.affinity_tokens), args.prefill_threshold,
                             telemetry, prefill_timeout_s=args.prefill_timeout)
-    frontend = Frontend(model, dispatcher, prompts)
+    frontend = Frontend(model, dispatcher, prompts, reports)
     grpc_server = None
     if args.grpc_port >= 0:
         servicer = TandemServicer(frontend, telemetry, api_keys, args.max_in_flight)
