@@ -5,10 +5,12 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping, Optional, Sequence, Union
 
-from tandem.engine.request import RequestFailedError, TokenLogprob
+from tandem.engine.request import Request, RequestFailedError, RequestStatus, TokenLogprob
 
-# The kv_transfer_params of an unfinished request's output (shared, read-only:
-# this is made for every request every step).
+# What an output without logprobs, or an unfinished request's output, carries
+# as its logprobs and kv_transfer_params: shared and read-only, since an
+# output is made for every request every step.
+NO_LOGPROBS: tuple = ()
 NO_PARAMS: Mapping = MappingProxyType({})
 
 
@@ -32,3 +34,18 @@ class RequestOutput:
     kv_transfer_params: Mapping = field(default_factory=lambda: NO_PARAMS)
     # finish_reason "error": why the engine failed this request (and only it).
     error: Optional[RequestFailedError] = None
+
+
+def request_output(request: Request, token_ids: list[int], text: str, logprobs: Sequence,
+                   status: Optional[RequestStatus]) -> RequestOutput:
+    """The output of one step of `request`: these new tokens and their text;
+    `status` when it finished. Positional: this runs for every request every step."""
+    if status is None:
+        return RequestOutput(request.request_id, token_ids, text, logprobs, False, None,
+                             request.num_prompt_tokens, len(request.output_token_ids),
+                             request.num_cached_tokens, request.num_external_tokens, request.stop_reason,
+                             NO_PARAMS)
+    return RequestOutput(request.request_id, token_ids, text, logprobs, True, status.value,
+                         request.num_prompt_tokens, len(request.output_token_ids),
+                         request.num_cached_tokens, request.num_external_tokens, request.stop_reason,
+                         request.kv_transfer_params)

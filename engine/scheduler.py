@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 from tandem.engine.config import SchedulerConfig
 from tandem.engine.kv_cache_manager import NO_NEW_BLOCKS, KVCacheManager
 from tandem.engine.kv_holds import KVHolds
-from tandem.engine.outputs import NO_PARAMS, RequestOutput
+from tandem.engine.outputs import NO_LOGPROBS, RequestOutput, request_output
 from tandem.engine.plan import SchedulerOutput
 from tandem.engine.request import Request, RequestFailedError, RequestStatus, TokenLogprob
 
@@ -362,7 +362,7 @@ class Scheduler:
         status = request.take_token(token, logprob, self.max_model_len)
         detok = request.detokenizer
         text = detok.delta(status is not None) if detok is not None else ""
-        out = _output(request, [token], text, NO_LOGPROBS if logprob is None else [logprob], status)
+        out = request_output(request, [token], text, NO_LOGPROBS if logprob is None else [logprob], status)
         if status is not None:
             self.finish(request, status)
         return out
@@ -383,30 +383,13 @@ class Scheduler:
             if status is not None:
                 request.status = status
                 break
-        return _output(request, taken, text, [], status)
+        return request_output(request, taken, text, [], status)
 
     def fail(self, request: Request, error: RequestFailedError) -> RequestOutput:
         """Finish one request with an error; its blocks go back, the engine steps on."""
         log.warning("request %s failed: %s", request.request_id, error)
         if not request.is_finished:
             self.finish(request, RequestStatus.FINISHED_ERROR)
-        out = _output(request, [], "", [], RequestStatus.FINISHED_ERROR)
+        out = request_output(request, [], "", [], RequestStatus.FINISHED_ERROR)
         out.error = error
         return out
-
-
-NO_LOGPROBS: tuple = ()  # an output without logprobs (shared: outputs are read, never changed)
-
-
-def _output(request: Request, token_ids: list[int], text: str, logprobs: Sequence,
-            status: Optional[RequestStatus]) -> RequestOutput:
-    # Positional: this runs for every request every step.
-    if status is None:
-        return RequestOutput(request.request_id, token_ids, text, logprobs, False, None,
-                             request.num_prompt_tokens, len(request.output_token_ids),
-                             request.num_cached_tokens, request.num_external_tokens, request.stop_reason,
-                             NO_PARAMS)
-    return RequestOutput(request.request_id, token_ids, text, logprobs, True, status.value,
-                         request.num_prompt_tokens, len(request.output_token_ids),
-                         request.num_cached_tokens, request.num_external_tokens, request.stop_reason,
-                         request.kv_transfer_params)
