@@ -14,7 +14,8 @@ from tests.support.stack import StackOptions, tandem_stack  # noqa: F401  (fixtu
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
-# The same options as test_metrics_live.py: one stack for both in a session.
+# The same options as test_metrics_live.py: one stack for both in a session (this
+# file sorts right after it, so that stack stops before the next one starts).
 TANDEM_STACK_OPTIONS = StackOptions(extra_args=("--num-blocks", "64", "--max-model-len", "512"))
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 CONTEXT = 512
