@@ -8,6 +8,7 @@ rows it keeps per request (block_table.py) and the KV cache.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -71,13 +72,11 @@ class ModelRunner:
             self.model.fuse_projections()
         self.model.eval()
         num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-        per_block = KVCacheLayout(hf.num_hidden_layers, 1, self.block_size, num_kv_heads, head_dim_of(hf),
-                                  self.dtype, self.device, model_key="").block_bytes
         # The model id and dtype name the blocks: KV of another model or
         # precision never matches, in this process or in a shared store.
-        self.layout = KVCacheLayout(hf.num_hidden_layers, self._decide_num_blocks(per_block), self.block_size,
-                                    num_kv_heads, head_dim_of(hf), self.dtype, self.device,
-                                    model_key=f"{info.model_id}|{self.dtype}")
+        layout = KVCacheLayout(hf.num_hidden_layers, 0, self.block_size, num_kv_heads, head_dim_of(hf),
+                               self.dtype, self.device, model_key=f"{info.model_id}|{self.dtype}")
+        self.layout = dataclasses.replace(layout, num_blocks=self._decide_num_blocks(layout.block_bytes))
         self.kv_cache: Optional[torch.Tensor] = None  # bind_kv_cache
         self.kv_caches: list[torch.Tensor] = []
         self.graphs = None  # set by enable_cuda_graphs once the engine knows max_model_len

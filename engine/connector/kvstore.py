@@ -1,4 +1,5 @@
-"""KV connector to tandem's KV store service (gRPC).
+"""The store connector: KV blocks in a KVStore, which the engine role injects
+(its client of tandem's KV store service).
 
 Store keys are "<chained block hash hex>/<layer>", so a block saved by any
 prefill instance is a prefix-cache hit for every decode (and prefill)
