@@ -185,12 +185,12 @@ class Request:
     """One request's whole state: its tokens and progress, the KV blocks it
     holds and their names, its text so far. It is freed by one call
     (Scheduler.finish), and nothing else keeps state keyed by its id but the
-    runner's block-table row (dropped at the next plan) and the connector's
-    own work for it (ended by request_finished)."""
+    runner's copy of its block ids (dropped at the next plan) and the
+    connector's own work for it (ended by request_finished)."""
 
     # Slots: the scheduler reads several fields of every running request each
-    # step; compact fields cost fewer cache misses than a dict's (measured with
-    # cold caches, as after a GPU step).
+    # step, right after a GPU step has left the caches cold; compact fields
+    # span fewer cache lines than a dict's.
     __slots__ = ("request_id", "params", "eos_token_id", "arrival_time", "prompt_token_ids",
                  "num_prompt_tokens", "output_token_ids", "all_token_ids", "num_computed_tokens", "status",
                  "logprobs", "num_cached_tokens", "num_external_tokens", "num_preemptions", "stop_reason",
