@@ -32,7 +32,8 @@ def start_store(capacity: str) -> tuple[subprocess.Popen, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "tandem.services.kvstore.server", "--host", "127.0.0.1",
-                             "--port", str(port), "--backend", "memory", "--capacity", capacity],
+                             "--port", str(port), "--data-port", "0", "--backend", "memory",
+                             "--capacity", capacity],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     target = f"127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -51,11 +52,11 @@ def start_store(capacity: str) -> tuple[subprocess.Popen, str]:
 def store_engine(engine_args: EngineArgs, kv_role: str, store_target: str):
     """An engine of `engine_args` that moves KV through the store at `store_target`."""
     from tandem.engine.llm_engine import LLMEngine
-    from tandem.services.kvstore.client import KVStoreClient
+    from tandem.services.kvstore.block_client import BlockStoreClient
 
     config = dataclasses.replace(engine_args, kv_transfer="store", kv_store=store_target,
                                  kv_role=kv_role).create_engine_config()
-    return LLMEngine(config, kv_store=KVStoreClient(store_target, timeout_s=5.0))
+    return LLMEngine(config, kv_store=BlockStoreClient(store_target, timeout_s=5.0))
 
 
 def measure(engine_args: EngineArgs, store_target: str, prompt: list[int], first: list[int],

@@ -49,17 +49,28 @@ if TYPE_CHECKING:
 
 
 class KVStore(Protocol):
-    """What the store connector needs of a KV store: bytes under string keys.
-    The engine defines it; the service that runs the engine injects an
-    implementation (tandem.services.kvstore.client.KVStoreClient), so the
-    engine library never imports a service. Every method may raise: the
-    connector treats a failure as "the store has nothing" and recomputes."""
+    """What the store connector needs of a KV store: values under string keys,
+    moved to and from an arena of bytes the store hands out (open_arena), so a
+    store can move them without copying (over a socket, or from another
+    process that maps the same memory). The engine defines it; the service
+    that runs the engine injects an implementation
+    (tandem.services.kvstore.block_client.BlockStoreClient), so the engine
+    library never imports a service. Every method but open_arena may raise:
+    the connector treats a failure as "the store has nothing" and recomputes."""
+
+    def open_arena(self, nbytes: int) -> memoryview:
+        """The arena (at least nbytes, writable): called once, before put and get."""
 
     def exists(self, keys: Sequence[str]) -> list[bool]: ...
 
-    def get(self, keys: Sequence[str]) -> list[Optional[bytes]]: ...
+    def put(self, items: Sequence[tuple[str, int, int]]) -> int:
+        """Store each (key, offset, length): the value is arena[offset:offset + length].
+        Returns how many were stored."""
 
-    def put(self, items: Sequence[tuple[str, bytes]]) -> int: ...
+    def get(self, items: Sequence[tuple[str, int, int]]) -> list[bool]:
+        """Read each (key, offset, length) into arena[offset:offset + length]; False
+        where the store lacks the key or holds a value of another length (that
+        slot is then left undefined)."""
 
     def close(self) -> None: ...
 

@@ -1,10 +1,16 @@
 """The store connector: KV blocks in a KVStore, which the engine role injects
 (its client of tandem's KV store service).
 
-Store keys are "<chained block hash hex>/<layer>", so a block saved by any
-prefill instance is a prefix-cache hit for every decode (and prefill)
-instance. A block counts as present when its last layer is: layers are saved
-in order, so the last one arriving means the whole block did.
+One value per block, holding every layer, under the block's chained hash
+(hex), so a block saved by any prefill instance is a prefix-cache hit for
+every decode (and prefill) instance. A value is stored whole or not at all,
+so a block is present exactly when its key is, and a reader never sees half
+of one.
+
+Blocks pass through a StagingArena in the store's arena: a step's saves are
+written into their slots layer by layer as the model runs (after_layer) and
+put once the last layer is in; a load is read into slots on a background
+thread (prefetch) or inside the step, then copied into the cache in one go.
 """
 from __future__ import annotations
 
@@ -17,41 +23,53 @@ from typing import Mapping, Optional
 import torch
 
 from tandem.engine.connector.base import ConnectorMeta, KVCacheLayout, KVConnector, KVStore
-from tandem.engine.connector.serialization import decode_blocks_into, encode_block
+from tandem.engine.connector.staging import StagingArena
 
 log = logging.getLogger(__name__)
 
+# The staging arena: room for this many blocks, and at most this many bytes
+# (a prefill step of 8192 tokens saves 512 blocks of 16; Llama-3-8B's are 2 MiB).
+STAGING_SLOTS = 1024
+STAGING_MAX_BYTES = 1 << 30
+# How long a step's saves wait for slots that earlier saves still use.
+SAVE_SLOT_WAIT_S = 5.0
 
-def block_key(block_hash: bytes, layer: int) -> str:
-    return f"{block_hash.hex()}/{layer}"
+
+def block_key(block_hash: bytes) -> str:
+    return block_hash.hex()
 
 
 @dataclass
 class Prefetched:
     """What a background fetch found for one request: the leading run of its
-    blocks the store held, from block index `first_block` on, decoded on the
-    CPU (layers[l]: [n, 2, block_size, kv_heads, head_dim]). `failure` names
-    the step that failed (lookup or load), if one did; it is counted once, on
-    the engine thread, when the scheduler reads the result."""
+    blocks the store held, from block index `first_block` on, in arena slots
+    from `slot` on. `failure` names the step that failed (lookup or load), if
+    one did; it is counted once, on the engine thread, when the scheduler reads
+    the result. Its slots go back with release()."""
 
     first_block: int
+    arena: Optional[StagingArena] = None
+    slot: int = 0
     hashes: list[bytes] = field(default_factory=list)
-    layers: list[torch.Tensor] = field(default_factory=list)
-    num_bytes: int = 0
     seconds: float = 0.0
     failure: Optional[str] = None
     counted: bool = False
+    _released: bool = False
 
     @property
     def num_blocks(self) -> int:
         return len(self.hashes)
 
+    def release(self) -> None:
+        if self.arena is not None and not self._released and self.hashes:
+            self._released = True
+            self.arena.free(self.slot, len(self.hashes))
+
 
 @dataclass
 class StoreLoad:
-    """Blocks to copy into this engine's cache: from `prefetched` (a
-    background fetch, from its block `offset` on) or, when None, fetched
-    from the store inside the step."""
+    """Blocks to copy into this engine's cache: from `prefetched` (its blocks
+    from `offset` on) or, when None, fetched from the store inside the step."""
 
     request_id: str
     block_ids: list[int]  # where they go in this engine's cache
@@ -62,7 +80,7 @@ class StoreLoad:
 
 @dataclass
 class StoreSave:
-    """Prompt blocks that are full after this step: put every layer of them."""
+    """Prompt blocks that are full after this step: stage every layer, then put them."""
 
     request_id: str
     block_ids: list[int]
@@ -73,6 +91,9 @@ class StoreSave:
 class StoreMeta(ConnectorMeta):
     loads: list[StoreLoad] = field(default_factory=list)
     saves: list[StoreSave] = field(default_factory=list)
+    # Set by save_layer: the slots this step's saves are staged in (-1: none).
+    save_slot: int = -1
+    num_save_blocks: int = 0
 
 
 class KVStoreConnector(KVConnector):
@@ -80,13 +101,14 @@ class KVStoreConnector(KVConnector):
         super().__init__(role, layout)
         self.client = store
         self.block_size = layout.block_size
-        self.num_layers = layout.num_layers
+        slot = StagingArena.slot_size(layout)
+        num_slots = max(1, min(STAGING_SLOTS, STAGING_MAX_BYTES // slot))
+        self.arena = StagingArena(store.open_arena(num_slots * slot), layout)
         # Background fetches (decode and prefill alike): request id -> future of Prefetched.
         self._loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-prefetch")
         self._prefetches: dict[str, Future] = {}
         # Loads of requests admitted by the schedule() under way: build_meta moves them into the meta.
         self._admitted: list[StoreLoad] = []
-        # One thread: layers are put in order, which the presence rule relies on.
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-save")
         self._saves: list[Future] = []
         self._save_started = 0.0
@@ -111,7 +133,7 @@ class KVStoreConnector(KVConnector):
     def _num_leading_present(self, candidates: list[bytes]) -> int:
         """How many of `candidates`, from the first on, the store holds (raises
         when the store cannot be asked)."""
-        present = self.client.exists([block_key(h, self.num_layers - 1) for h in candidates])
+        present = self.client.exists([block_key(h) for h in candidates])
         n = 0
         while n < len(present) and present[n]:
             n += 1
@@ -129,24 +151,24 @@ class KVStoreConnector(KVConnector):
         return self._load(first, candidates[:n])
 
     def _load(self, first: int, hashes: list[bytes]) -> Prefetched:
-        """Every layer of these blocks from the store, decoded on the CPU."""
+        """These blocks from the store into arena slots (every layer of each)."""
         started = time.monotonic()
-        out = Prefetched(first_block=first)
+        slot = self.arena.alloc(len(hashes))
+        if slot is None:
+            log.warning("KV staging arena full (%d slots): computing %d blocks locally",
+                        self.arena.num_slots, len(hashes))
+            return Prefetched(first_block=first, failure="load")
+        out = Prefetched(first_block=first, arena=self.arena, slot=slot, hashes=list(hashes))
         try:
-            keys = [block_key(h, layer) for layer in range(self.num_layers) for h in hashes]
-            payloads = self.client.get(keys)
-            if any(p is None for p in payloads):
+            found = self.client.get(self.arena.items([block_key(h) for h in hashes], slot))
+            if not all(found):
                 raise KeyError("evicted from the store between lookup and load")
-            n = len(hashes)
-            for layer in range(self.num_layers):
-                blocks = torch.empty((n, *self.layout.block_shape), dtype=self.layout.dtype)
-                decode_blocks_into(payloads[layer * n:(layer + 1) * n], blocks, layer)
-                out.layers.append(blocks)
-            out.num_bytes = sum(len(p) for p in payloads)
+            if not self.arena.headers_ok(slot, len(hashes)):
+                raise ValueError("a block of another model, dtype or block size")
         except Exception as exc:  # store down, evicted, or a foreign block format
+            out.release()
             log.warning("KV load failed, computing locally: %s", exc)
             return Prefetched(first_block=first, failure="load")
-        out.hashes = list(hashes)
         out.seconds = time.monotonic() - started
         return out
 
@@ -196,7 +218,7 @@ class KVStoreConnector(KVConnector):
         first = num_local_hit_tokens // self.block_size
         result = self._prefetched(request, first)
         # Admitted: the prefetch's data is used by this step's load or not at all.
-        self._prefetches.pop(request.request_id, None)
+        self._drop_prefetch(request.request_id, keep=result if num_external_tokens > 0 else None)
         if num_external_tokens <= 0:
             return
         last = first + num_external_tokens // self.block_size
@@ -204,6 +226,19 @@ class KVStoreConnector(KVConnector):
         if result is not None:
             load.prefetched, load.offset = result, first - result.first_block
         self._admitted.append(load)
+
+    def _drop_prefetch(self, request_id: str, keep: Optional[Prefetched] = None) -> None:
+        """Forget a request's prefetch; its slots go back unless `keep` is it (a
+        planned load frees them once copied). A fetch still running frees its
+        own when it ends."""
+        fut = self._prefetches.pop(request_id, None)
+        if fut is None:
+            return
+        if not fut.cancel():
+            def release(done: Future) -> None:
+                if not done.cancelled() and done.result() is not keep:
+                    done.result().release()
+            fut.add_done_callback(release)
 
     def build_meta(self, plan, requests: Mapping) -> StoreMeta:
         meta = StoreMeta(loads=self._admitted)
@@ -222,9 +257,7 @@ class KVStoreConnector(KVConnector):
         return meta
 
     def request_finished(self, request, block_ids) -> tuple[int, dict]:
-        fut = self._prefetches.pop(request.request_id, None)
-        if fut is not None:
-            fut.cancel()  # a fetch already running finishes; its result is dropped
+        self._drop_prefetch(request.request_id)
         return 0, {}
 
     # ---- worker side ---------------------------------------------------
@@ -237,46 +270,60 @@ class KVStoreConnector(KVConnector):
                     failed.add(load.request_id)
                     self.stats.load_failures += 1
                     continue
-            self._copy_in(load)
+            try:
+                self._copy_in(load)
+            finally:
+                load.prefetched.release()
         return failed
 
     def _copy_in(self, load: StoreLoad) -> None:
         result, offset, k = load.prefetched, load.offset, len(load.block_ids)
         assert result.hashes[offset:offset + k] == load.block_hashes, "prefetch does not match the load"
-        cache = self.kv_cache
+        cache = self.kv_cache  # [layers, 2, blocks, block_size, kv_heads, head_dim]
         ids = torch.tensor(load.block_ids, device=cache.device)
-        for layer in range(self.num_layers):
-            blocks = result.layers[layer][offset:offset + k].transpose(0, 1)  # [2, k, bs, H, D]
-            cache[layer][:, ids] = blocks.to(cache.device, non_blocking=True)
+        staged = self.arena.blocks[result.slot + offset:result.slot + offset + k]  # [k, layers, 2, ...]
+        cache[:, :, ids] = staged.permute(1, 2, 0, 3, 4, 5).to(cache.device, non_blocking=True)
         self.stats.load_blocks += k
-        self.stats.load_bytes += result.num_bytes * k // result.num_blocks
+        self.stats.load_bytes += k * self.layout.block_bytes
         self.stats.load_seconds += result.seconds * k / result.num_blocks
 
     def save_layer(self, layer: int, meta: StoreMeta) -> None:
+        if not meta.saves:
+            return
         if layer == 0:
             self._save_started = time.monotonic()
-        items = []
-        for save in meta.saves:
-            # Copy now: the encoding runs on the saver thread while later layers compute.
-            blocks = self.kv_cache[layer][:, save.block_ids].transpose(0, 1).to("cpu", copy=True)
-            items.extend((block_key(h, layer), blocks[j]) for j, h in enumerate(save.block_hashes))
-        if items:
-            self._saves.append(self._saver.submit(self._put, items, layer))
+            n = sum(len(s.block_ids) for s in meta.saves)
+            slot = self.arena.alloc(n, wait_s=SAVE_SLOT_WAIT_S)
+            if slot is None:
+                # The decode computes what is not stored: slower, never wrong.
+                log.warning("KV staging arena has no room for %d blocks: this step's saves are dropped", n)
+                self.stats.save_failures += 1
+                return
+            meta.save_slot, meta.num_save_blocks = slot, n
+            self.arena.write_headers(slot, n)
+        if meta.save_slot < 0:
+            return
+        ids = torch.tensor([b for s in meta.saves for b in s.block_ids], device=self.kv_cache.device)
+        staged = self.arena.blocks[meta.save_slot:meta.save_slot + meta.num_save_blocks, layer]
+        staged.copy_(self.kv_cache[layer][:, ids].transpose(0, 1))  # [n, 2, block_size, heads, dim]
+        if layer == self.layout.num_layers - 1:
+            keys = [block_key(h) for s in meta.saves for h in s.block_hashes]
+            self._saves.append(self._saver.submit(self._put, keys, meta.save_slot))
 
-    def _put(self, items: list[tuple[str, torch.Tensor]], layer: int) -> tuple[int, int]:
-        """Store one layer's blocks; returns (bytes, blocks completed by this layer)."""
-        encoded = [(key, encode_block(block, layer)) for key, block in items]
-        self.client.put(encoded)
-        completed = len(items) if layer == self.num_layers - 1 else 0
-        return sum(len(v) for _, v in encoded), completed
+    def _put(self, keys: list[str], slot: int) -> int:
+        """Store the staged blocks; returns how many were stored. Their slots go back either way."""
+        try:
+            return self.client.put(self.arena.items(keys, slot))
+        finally:
+            self.arena.free(slot, len(keys))
 
     def wait_for_save(self) -> None:
         futures, self._saves = self._saves, []
         for fut in futures:
             try:
-                num_bytes, completed = fut.result()
-                self.stats.save_bytes += num_bytes
-                self.stats.save_blocks += completed
+                stored = fut.result()
+                self.stats.save_blocks += stored
+                self.stats.save_bytes += stored * self.layout.block_bytes
             except Exception as exc:  # the decode side will recompute; never fail the request
                 self.stats.save_failures += 1
                 log.warning("KV save failed: %s", exc)

@@ -111,10 +111,10 @@ async def run_engine_service(args: argparse.Namespace, *, role: str, kv_role: st
     config = engine_config_from_args(args, kv_role)
     kv_store = None
     if config.kv_transfer == "store":
-        from tandem.services.kvstore.client import KVStoreClient
+        from tandem.services.kvstore.block_client import BlockStoreClient
 
         # Short deadlines: a store that does not answer costs a recompute, not a stalled request.
-        kv_store = KVStoreClient(args.kv_store, timeout_s=KV_STORE_TIMEOUT_S, tls=tls_from_args(args))
+        kv_store = BlockStoreClient(args.kv_store, timeout_s=KV_STORE_TIMEOUT_S, tls=tls_from_args(args))
     try:
         engine = AsyncLLMEngine(config, on_death=on_death, kv_store=kv_store)
     except ModelNotFoundError as exc:

@@ -88,7 +88,10 @@ class MemoryBackend:
                     _, evicted = self._values.popitem(last=False)
                     self._bytes -= len(evicted)
                     self._evictions += 1
-                self._values[key] = bytes(value)
+                # A bytes or bytearray value is kept as given (the data channel
+                # received it into a buffer of its own: no second copy); the
+                # caller must not change it afterwards.
+                self._values[key] = value if isinstance(value, (bytes, bytearray)) else bytes(value)
                 self._bytes += len(value)
                 stored.append(True)
         return stored
@@ -193,7 +196,8 @@ class RedisBackend:
             for batch in self._batches(items):
                 pipe = self._client.pipeline(transaction=False)
                 for key, value in batch:
-                    pipe.set(key, value)
+                    # redis-py takes bytes and memoryviews (not bytearrays): no copy either way.
+                    pipe.set(key, value if isinstance(value, bytes) else memoryview(value))
                 pipe.execute()
             return [True] * len(items)
         return self._call("put", run)

@@ -57,6 +57,7 @@ class StoreStats:
     hits: int
     misses: int
     evictions: int
+    data_port: int = 0  # the bulk data channel's port on the store's host; 0: none
 
 
 class KVStoreClient:
@@ -145,7 +146,7 @@ class KVStoreClient:
         r = self._call("stats", deadline, lambda t: self._stub.Stats(kvstore_pb2.StatsRequest(), timeout=t))
         return StoreStats(backend=r.backend, bytes=r.bytes, blocks=r.blocks,
                           capacity_bytes=r.capacity_bytes, hits=r.hits, misses=r.misses,
-                          evictions=r.evictions)
+                          evictions=r.evictions, data_port=r.data_port)
 
     def close(self) -> None:
         self._channel.close()

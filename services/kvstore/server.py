@@ -22,7 +22,7 @@ from typing import Iterator, Optional
 import grpc
 from grpc_health.v1 import health_pb2
 
-from tandem.services.common.config import add_flag
+from tandem.services.common.config import add_flag, config_error
 from tandem.services.common.grpc_server import (RunningServer, add_tls_arguments, exit_after_shutdown,
                                                 start_grpc_server, tls_from_args)
 from tandem.services.kvstore.backends import Backend, BackendStats, BackendUnavailable, open_backend
@@ -109,9 +109,10 @@ def _backend_errors(context: grpc.ServicerContext, what: str) -> Iterator[None]:
 
 
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
-    def __init__(self, backend: Backend, metrics: Optional[StoreMetrics] = None) -> None:
+    def __init__(self, backend: Backend, metrics: Optional[StoreMetrics] = None, data_port: int = 0) -> None:
         self.backend = backend
         self.metrics = metrics
+        self.data_port = data_port
 
     def Put(self, request_iterator, context: grpc.ServicerContext) -> kvstore_pb2.PutResponse:
         reply = kvstore_pb2.PutResponse()
@@ -192,7 +193,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             s = self.backend.stats()
         return kvstore_pb2.StatsResponse(bytes=s.bytes, blocks=s.blocks, capacity_bytes=s.capacity_bytes,
                                          hits=s.hits, misses=s.misses, evictions=s.evictions,
-                                         backend=s.backend)
+                                         backend=s.backend, data_port=self.data_port)
 
 
 def watch_backend(backend: Backend, server: RunningServer, metrics: Optional[StoreMetrics],
@@ -231,7 +232,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--host", default="127.0.0.1",
              help="address to listen on; 0.0.0.0 for every interface (in a container)")
     add_flag(parser, "--port", type=int, default=50081,
-             help="gRPC port; 0 picks a free one (printed in the listening line)")
+             help="gRPC port (control: Exists, Delete, Stats, health; and the older Put/Get); 0 picks a "
+                  "free one (printed in the listening line)")
+    add_flag(parser, "--data-port", type=int, default=50082,
+             help="TCP port of the bulk data channel engines move blocks through (framed bytes outside "
+                  "gRPC; Stats tells clients which port); 0 picks a free one, -1 turns it off")
     add_flag(parser, "--backend", default="memory",
              help="where blocks live: 'memory' (in this process, LRU bounded by --capacity-bytes) or "
                   "a Redis URL such as redis://127.0.0.1:6379/0 (Redis evicts by its own maxmemory "
@@ -273,8 +278,19 @@ def serve(args: argparse.Namespace) -> int:
         start_metrics_server(args.metrics_port, host=args.host)
         print(f"{ROLE} metrics on http://{args.host}:{args.metrics_port}/metrics", flush=True)
 
+    data = None
+    if args.data_port >= 0:
+        from tandem.services.kvstore.data_server import DataServer, server_ssl_context
+
+        try:
+            data = DataServer(backend, args.host, args.data_port, metrics,
+                              server_ssl_context(tls_from_args(args))).start()
+        except OSError as exc:
+            config_error(f"--data-port: cannot listen on {args.host}:{args.data_port}: {exc.strerror or exc}")
+
     def add_servicers(server: grpc.Server) -> list[str]:
-        kvstore_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(backend, metrics), server)
+        kvstore_pb2_grpc.add_KVStoreServicer_to_server(
+            KVStoreServicer(backend, metrics, data.port if data else 0), server)
         return [SERVICE_NAME]
 
     server = start_grpc_server(add_servicers, args.host, args.port, tls=tls_from_args(args))
@@ -289,11 +305,15 @@ def serve(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
+    if data is not None:
+        print(f"{ROLE} data channel on {args.host}:{data.port}", flush=True)
     # The launcher and tests wait for exactly this line.
     print(f"{ROLE} listening on {args.host}:{server.port}", flush=True)
     while not stop.wait(0.5):  # short waits: the signal handler runs between them
         pass
     server.stop(grace_s=args.shutdown_timeout)
+    if data is not None:
+        data.stop()
     watcher.join(timeout=5.0)
     backend.close()
     return 0

@@ -79,7 +79,10 @@ def plan_stack(args: argparse.Namespace, log_dir: str) -> tuple[Child, list[Chil
         if getattr(args, flag, None):
             tls_flags += ["--" + flag.replace("_", "-"), os.path.abspath(getattr(args, flag))]
     kvstore_port = port(args.kvstore_port)
-    kvstore = child("kvstore", None, ["--backend", args.store, *tls_flags], kvstore_port)
+    # Its data channel's port is fixed too: engines find it in the store's Stats,
+    # and a restarted store must not move it under their open connections.
+    kvstore = child("kvstore", None, ["--backend", args.store, "--data-port", str(port()), *tls_flags],
+                    kvstore_port)
     engine_flags = [*engine_args(args, f"{host}:{kvstore_port}").to_cli_args(),
                     "--max-queued-requests", str(args.max_queued_requests), *tls_flags]
     prefills = [child("prefill", i, engine_flags) for i in range(args.prefill)]

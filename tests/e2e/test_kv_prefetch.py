@@ -16,7 +16,7 @@ from tandem.engine import SamplingParams
 from tandem.engine.config import CacheConfig, EngineConfig, ModelConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.request import RequestStatus
-from tandem.services.kvstore.client import KVStoreClient
+from tandem.services.kvstore.block_client import BlockStoreClient
 from tests.support.hf_oracle import tiny_model_dir
 from tests.support.kvstore_process import start_store
 
@@ -43,7 +43,7 @@ def engine(model_dir: str, store_target: str | None, role: str = "both") -> LLME
     return LLMEngine(EngineConfig(
         model=ModelConfig(model=model_dir, dtype="float32"), cache=CacheConfig(num_blocks=256),
         device="cpu", kv_transfer="store" if store_target else None, kv_role=role),
-        kv_store=KVStoreClient(store_target, timeout_s=5.0) if store_target else None)
+        kv_store=BlockStoreClient(store_target, timeout_s=5.0) if store_target else None)
 
 
 def run_to_end(eng: LLMEngine, request_id: str) -> list[int]:

@@ -47,8 +47,9 @@ def start_store(*flags: str, timeout_s: float = 30.0) -> StoreProcess:
     """`python -m tandem.services.kvstore.server --port 0 FLAGS`, once it printed
     its listening line (stdout and stderr go to a log file)."""
     log = tempfile.NamedTemporaryFile(prefix="kvstore-", suffix=".log", delete=False)
+    data = [] if "--data-port" in flags else ["--data-port", "0"]  # stores of parallel tests must not collide
     argv = [sys.executable, "-m", "tandem.services.kvstore.server", "--host", "127.0.0.1",
-            "--port", "0", *flags]
+            "--port", "0", *data, *flags]
     process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     store = StoreProcess(process, 0, log.name)
     deadline = time.monotonic() + timeout_s

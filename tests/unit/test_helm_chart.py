@@ -186,6 +186,17 @@ def test_kvstore_is_cluster_internal(rendered):
         assert all("nodePort" not in p for p in service["ports"])
 
 
+def test_kvstore_exposes_its_data_channel_to_the_engines(rendered):
+    # Engines find the data port in the store's Stats and connect to the same
+    # Service name: the Service and the container must both carry it.
+    manifests, _ = rendered["default"]
+    service = by_kind(manifests, "Service")["demo-tandem-kvstore"].doc["spec"]
+    assert {"name": "data", "port": 50082} in [{k: p[k] for k in ("name", "port")} for p in service["ports"]]
+    kvstore = container(by_kind(manifests, "Deployment")["demo-tandem-kvstore"])
+    assert env_of(by_kind(manifests, "Deployment")["demo-tandem-kvstore"])["TANDEM_DATA_PORT"] == "50082"
+    assert 50082 in [p["containerPort"] for p in kvstore["ports"]]
+
+
 def test_engine_services_are_headless_so_the_router_sees_every_pod(rendered):
     services = by_kind(rendered["default"][0], "Service")
     for role in ("prefill", "decode"):

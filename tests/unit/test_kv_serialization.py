@@ -1,39 +1,53 @@
-"""KV blocks as bytes: what encode_block writes, decode_blocks_into reads back
-bit for bit (bf16 included), and a block of another dtype, shape or layer is
-refused, never misread."""
+"""KV blocks as bytes: a staged block carries a header naming its dtype and
+shape; a slot written by an engine of another dtype, block size or model
+shape is refused, never misread; slots are handed out as contiguous runs
+and come back merged."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tandem.engine.connector.serialization import BlockFormatError, decode_blocks_into, encode_block
+from tandem.engine.connector.base import KVCacheLayout
+from tandem.engine.connector.staging import StagingArena
 
-SHAPE = (2, 16, 3, 8)  # K and V, block size, KV heads, head dim
+
+def layout(dtype=torch.float32, block_size=16, layers=3, heads=2, dim=8) -> KVCacheLayout:
+    return KVCacheLayout(layers, 64, block_size, heads, dim, dtype, torch.device("cpu"), model_key="m")
+
+
+def arena(lay: KVCacheLayout, slots: int = 8, memory=None) -> StagingArena:
+    return StagingArena(memory or memoryview(bytearray(slots * StagingArena.slot_size(lay))), lay)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_blocks_round_trip_bit_for_bit(dtype):
-    blocks = torch.randn(5, *SHAPE).to(dtype)
-    payloads = [encode_block(b, layer=7) for b in blocks]
-    out = torch.empty(5, *SHAPE, dtype=dtype)
-    decode_blocks_into(payloads, out, expect_layer=7)
-    assert torch.equal(out.view(torch.uint8), blocks.view(torch.uint8))
+def test_a_staged_block_reads_back_bit_for_bit_with_its_header(dtype):
+    a = arena(layout(dtype))
+    start = a.alloc(3)
+    blocks = torch.randn(3, *a.block_shape).to(dtype)
+    a.blocks[start:start + 3] = blocks
+    a.write_headers(start, 3)
+    assert a.headers_ok(start, 3)
+    assert torch.equal(a.blocks[start:start + 3].view(torch.uint8), blocks.view(torch.uint8))
+    # Where put/get move it: one value per block, header and every layer.
+    (_, offset, length), *_ = a.items(["k0", "k1", "k2"], start)
+    assert offset == start * a.slot_bytes and length == 64 + a.layout.block_bytes
 
 
-@pytest.mark.parametrize("dtype, shape, layer", [
-    (torch.float16, SHAPE, 7),  # another dtype
-    (torch.float32, (2, 32, 3, 8), 7),  # another block size
-    (torch.float32, SHAPE, 6),  # another layer
-])
-def test_a_foreign_block_is_refused(dtype, shape, layer):
-    payload = encode_block(torch.randn(*shape).to(dtype), layer=layer)
-    with pytest.raises(BlockFormatError):
-        decode_blocks_into([payload], torch.empty(1, *SHAPE, dtype=torch.float32), expect_layer=7)
+@pytest.mark.parametrize("other", [layout(torch.float16), layout(block_size=32), layout(layers=4)])
+def test_a_block_of_another_layout_is_refused(other):
+    ours, theirs = layout(), other
+    memory = memoryview(bytearray(4 * max(StagingArena.slot_size(ours), StagingArena.slot_size(theirs))))
+    writer = arena(theirs, memory=memory)
+    writer.write_headers(0, 1)
+    reader = arena(ours, memory=memory)
+    assert not reader.headers_ok(0, 1)
 
 
-def test_a_truncated_block_is_refused():
-    payload = encode_block(torch.randn(*SHAPE), layer=0)
-    with pytest.raises(BlockFormatError):
-        decode_blocks_into([payload[:-4]], torch.empty(1, *SHAPE), expect_layer=0)
-    with pytest.raises(BlockFormatError):
-        decode_blocks_into([b"nope" + payload[4:]], torch.empty(1, *SHAPE), expect_layer=0)
+def test_slots_come_back_merged_and_a_full_arena_says_so():
+    a = arena(layout(), slots=6)
+    first, second = a.alloc(4), a.alloc(2)
+    assert (first, second) == (0, 4) and a.alloc(1) is None
+    a.free(first, 4)
+    assert a.alloc(5) is None  # 4 free, not 5
+    a.free(second, 2)
+    assert a.num_free == 6 and a.alloc(6) == 0

@@ -1,0 +1,290 @@
+"""`tandem bench kv`: how fast KV blocks move between an engine and the KV
+store, against the ceilings measured in the same run.
+
+Every path moves the same bytes: --size-mib of blocks of --block-kib each
+(the default, 2 MiB, is one block of Llama-3-8B in bf16: 32 layers, K and V,
+16 tokens, 8 KV heads of 128). Paths:
+- store: BlockStoreClient through a real KV store process's data channel
+  (what engines use), from and into one reused arena, per backend;
+- store-grpc: the same client with the store's data channel off (gRPC Put/Get);
+- tcp: the ceiling of the link: one TCP connection on loopback between two
+  processes, 4 MiB sendall / recv_into into a reused buffer;
+- memcpy: a copy into a reused buffer in this process.
+Each path runs idle, then (--busy) while a Python thread of this process
+spins, as a serving engine's thread does: bytes that need this process's GIL
+to move slow down then.
+
+    tandem bench kv --size-mib 256 --backends memory,redis
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional
+
+CHUNK = 4 << 20
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "kv", help="KV block transfer GB/s: the store path vs TCP loopback and memcpy",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size-mib", type=int, default=256, help="bytes moved per measurement (default 256 MiB)")
+    p.add_argument("--block-kib", type=int, default=2048, help="one block's bytes, every layer (default 2048)")
+    p.add_argument("--backends", default="memory,redis",
+                   help="store backends to measure: memory, redis (needs redis-server), comma-separated")
+    p.add_argument("--repeats", type=int, default=3, help="measurements per path; the median is reported")
+    p.add_argument("--busy", default="0,1", help="load of a Python thread beside the transfer: 0 idle, 1 "
+                                                 "spinning all the time, 0.5 half the time (comma-separated)")
+    p.add_argument("--output-json", default=None)
+    p.set_defaults(handler=run)
+
+
+# --- load --------------------------------------------------------------------------------
+
+@contextmanager
+def busy_thread(fraction: float) -> Iterator[None]:
+    """A Python thread that holds the GIL `fraction` of the time (in 10 ms periods)."""
+    if fraction <= 0:
+        yield
+        return
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            until = time.perf_counter() + 0.01 * fraction
+            while time.perf_counter() < until:
+                pass
+            if fraction < 1:
+                time.sleep(0.01 * (1 - fraction))
+
+    thread = threading.Thread(target=spin, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def timed(fn: Callable[[], None], nbytes: int, repeats: int) -> float:
+    """Median GB/s of fn() moving nbytes."""
+    rates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        rates.append(nbytes / (time.perf_counter() - start) / 1e9)
+    return statistics.median(rates)
+
+
+# --- ceilings ------------------------------------------------------------------------------
+
+def _tcp_source(total: int) -> None:
+    """Run in a process of its own: print a port, then send `total` bytes to
+    every connection it accepts, in 4 MiB sendall calls from a reused buffer."""
+    payload = memoryview(bytearray(os.urandom(CHUNK)))
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        print(server.getsockname()[1], flush=True)
+        while True:
+            conn, _ = server.accept()
+            with conn:
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+                sent = 0
+                while sent < total:
+                    n = min(CHUNK, total - sent)
+                    conn.sendall(payload[:n])
+                    sent += n
+
+
+@contextmanager
+def tcp_ceiling(total: int) -> Iterator[Callable[[], None]]:
+    """One receive of `total` bytes over loopback from another process (started
+    beforehand, out of the timing), into a reused buffer."""
+    source = subprocess.Popen([sys.executable, "-c", f"from tandem.bench.kv import _tcp_source; _tcp_source({total})"],
+                              stdout=subprocess.PIPE, text=True)
+    port = int(source.stdout.readline())
+    buf = memoryview(bytearray(total))
+
+    def once() -> None:
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+            got = 0
+            while got < total:
+                n = conn.recv_into(buf[got:], min(CHUNK, total - got))
+                if n == 0:
+                    raise RuntimeError("the sender stopped early")
+                got += n
+    try:
+        yield once
+    finally:
+        source.kill()
+        source.wait()
+
+
+def memcpy(total: int) -> Callable[[], None]:
+    import numpy as np
+
+    src = np.frombuffer(os.urandom(total), dtype=np.uint8)
+    dst = np.empty_like(src)
+    dst[:] = src  # touched once: a reused buffer, as the arena is
+    return lambda: np.copyto(dst, src)
+
+
+# --- the store -----------------------------------------------------------------------------
+
+@contextmanager
+def store_process(backend: str, capacity: int, data_channel: bool = True) -> Iterator[str]:
+    """A KV store process on loopback; yields its gRPC address once it listens."""
+    log = tempfile.NamedTemporaryFile(prefix="bench-kv-", suffix=".log", delete=False)
+    argv = [sys.executable, "-m", "tandem.services.kvstore.server", "--host", "127.0.0.1", "--port", "0",
+            "--data-port", "0" if data_channel else "-1", "--backend", backend,
+            "--capacity-bytes", str(capacity)]
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            text = open(log.name).read()
+            lines = [line for line in text.splitlines() if line.startswith("kvstore listening on ")]
+            if lines:
+                yield lines[0].split()[-1]
+                return
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the KV store did not start:\n{text[-2000:]}")
+            time.sleep(0.1)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        os.unlink(log.name)
+
+
+@contextmanager
+def redis_process() -> Iterator[Optional[str]]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        yield None
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as folder:
+        proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                 "--appendonly", "no", "--dir", folder, "--maxmemory", "4gb",
+                                 "--maxmemory-policy", "allkeys-lru"], stdout=subprocess.DEVNULL)
+        try:
+            import redis
+
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    redis.Redis(port=port, socket_timeout=0.5).ping()
+                    break
+                except Exception:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("redis-server did not answer")
+                    time.sleep(0.05)
+            yield f"redis://127.0.0.1:{port}/0"
+        finally:
+            proc.terminate()
+            proc.wait(10)
+
+
+def store_paths(target: str, total: int, block: int) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(save, load) of total bytes in blocks through a BlockStoreClient."""
+    from tandem.services.kvstore.block_client import BlockStoreClient
+
+    client = BlockStoreClient(target, timeout_s=120.0)
+    n = total // block
+    arena = client.open_arena(n * block)
+    arena[:] = os.urandom(len(arena))
+    items = [(f"bench-{i}", i * block, block) for i in range(n)]
+    # As the connector does: one call per step's blocks, with a few in flight (save and prefetches).
+    groups = [items[i::4] for i in range(4)]
+
+    def across(call) -> None:
+        errors: list[BaseException] = []
+
+        def one(group) -> None:
+            try:
+                call(group)
+            except BaseException as exc:  # re-raised below, on the measuring thread
+                errors.append(exc)
+        threads = [threading.Thread(target=one, args=(g,)) for g in groups]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+
+    def put(group) -> None:
+        if client.put(group) != len(group):
+            raise RuntimeError("the store did not store every block (capacity?)")
+
+    def get(group) -> None:
+        if not all(client.get(group)):
+            raise RuntimeError("the store lost blocks between save and load")
+    return lambda: across(put), lambda: across(get)
+
+
+def run(args: argparse.Namespace) -> int:
+    total = args.size_mib << 20
+    block = args.block_kib << 10
+    busy_levels = [float(b) for b in args.busy.split(",")]
+    rows: list[dict] = []
+
+    def measure(path: str, what: str, fn: Callable[[], None]) -> None:
+        for busy in busy_levels:
+            with busy_thread(busy):
+                rate = timed(fn, total, args.repeats)
+            rows.append({"path": path, "what": what, "busy": busy, "GBps": rate})
+            print(f"{path:<22}{what:<6} busy {busy:<4} {rate:6.2f} GB/s", file=sys.stderr, flush=True)
+
+    with tcp_ceiling(total) as receive:
+        measure("tcp loopback", "recv", receive)
+    measure("memcpy", "copy", memcpy(total))
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    with redis_process() as redis_url:
+        for backend in backends:
+            spec = "memory" if backend == "memory" else redis_url
+            if spec is None:
+                print("redis: redis-server is not installed; skipped", file=sys.stderr)
+                continue
+            for data_channel in (True, False):
+                path = f"store {backend}" + ("" if data_channel else " (grpc)")
+                with store_process(spec, 4 * total, data_channel) as target:
+                    save, load = store_paths(target, total, block)
+                    measure(path, "save", save)
+                    measure(path, "load", load)
+    ceiling = {r["busy"]: r["GBps"] for r in rows if r["path"] == "tcp loopback"}
+    idle = {(r["path"], r["what"]): r["GBps"] for r in rows if r["busy"] == 0}
+    print(f"\n{'path':<22}{'what':<6}{'busy':>5}{'GB/s':>8}{'/tcp':>7}{'/idle':>7}")
+    for r in rows:
+        r["of_tcp"] = r["GBps"] / ceiling.get(0.0, float("nan"))
+        r["of_idle"] = r["GBps"] / idle.get((r["path"], r["what"]), float("nan"))
+        print(f"{r['path']:<22}{r['what']:<6}{r['busy']:>5}{r['GBps']:>8.2f}{r['of_tcp']:>7.2f}{r['of_idle']:>7.2f}")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"size_bytes": total, "block_bytes": block, "rows": rows}, f, indent=2)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tandem.bench.kv ...`: the same as `tandem bench kv ...`."""
+    parser = argparse.ArgumentParser(prog="tandem bench")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["kv", *(sys.argv[1:] if argv is None else argv)])
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""The engine's KV store (engine.connector.base.KVStore) on tandem's KV store
+service: control calls (Exists) over gRPC, block values over the store's
+bulk data channel (data_wire.py), straight between the arena and the socket.
+
+The store says in Stats which port its data channel listens on (same host as
+its gRPC address). The client keeps a few connections and gives each call
+one of them, so a prefetch and a save move bytes at once. Any failure closes
+that connection and raises KVStoreUnavailable (the connector recomputes);
+the next call connects again, asking Stats anew (a restarted store may listen
+elsewhere). A store without a data channel (--data-port -1) is used through
+gRPC Put and Get instead, copying each value.
+"""
+from __future__ import annotations
+
+import queue
+import socket
+import ssl
+import threading
+import time
+from typing import Optional, Sequence
+
+from tandem.services.common.grpc_server import TLSConfig
+from tandem.services.kvstore import data_wire as wire
+from tandem.services.kvstore.client import KVStoreClient, KVStoreUnavailable
+from tandem.services.kvstore.data_server import tune
+
+
+class BlockStoreClient:
+    def __init__(self, target: str, timeout_s: float = 5.0, tls: Optional[TLSConfig] = None,
+                 connections: int = 4) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self.control = KVStoreClient(target, timeout_s=timeout_s, tls=tls)
+        self._host = target.rpartition(":")[0].strip("[]")
+        self._ssl = _client_ssl_context(tls)
+        self._idle: queue.LifoQueue[socket.socket] = queue.LifoQueue()
+        self._slots = threading.BoundedSemaphore(connections)
+        self._data_port: Optional[int] = None
+        self.arena: Optional[memoryview] = None
+
+    # ---- KVStore -----------------------------------------------------------
+    def open_arena(self, nbytes: int) -> memoryview:
+        self.arena = memoryview(bytearray(nbytes))
+        return self.arena
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        return self.control.exists(keys)
+
+    def put(self, items: Sequence[tuple[str, int, int]]) -> int:
+        if not items:
+            return 0
+        port = self._port()
+        if port == 0:
+            return self.control.put([(key, bytes(self.arena[o:o + n])) for key, o, n in items])
+        with self._connection("put") as sock:
+            sock.sendall(wire.request_header(wire.OP_PUT, [key for key, _, _ in items]))
+            for _, offset, length in items:
+                sock.sendall(wire.VALUE_LEN.pack(length))
+                sock.sendall(self.arena[offset:offset + length])
+            wire.read_status(sock)
+            stored, _refused = wire.recv_struct(sock, wire.PUT_REPLY)
+            return stored
+
+    def get(self, items: Sequence[tuple[str, int, int]]) -> list[bool]:
+        if not items:
+            return []
+        port = self._port()
+        if port == 0:
+            return self._get_over_grpc(items)
+        found = []
+        with self._connection("get") as sock:
+            sock.sendall(wire.request_header(wire.OP_GET, [key for key, _, _ in items]))
+            wire.read_status(sock)
+            for _, offset, length in items:
+                (size,) = wire.recv_struct(sock, wire.FOUND_LEN)
+                if size == length:
+                    wire.recv_exactly_into(sock, self.arena[offset:offset + length])
+                elif size > 0:
+                    wire.recv_exactly(sock, size)  # another layout's block: read past it
+                found.append(size == length)
+        return found
+
+    def _get_over_grpc(self, items: Sequence[tuple[str, int, int]]) -> list[bool]:
+        values = self.control.get([key for key, _, _ in items])
+        found = []
+        for (_, offset, length), value in zip(items, values):
+            ok = value is not None and len(value) == length
+            if ok:
+                self.arena[offset:offset + length] = value
+            found.append(ok)
+        return found
+
+    def close(self) -> None:
+        while True:
+            try:
+                self._idle.get_nowait().close()
+            except queue.Empty:
+                break
+        self.control.close()
+
+    # ---- connections -------------------------------------------------------
+    def _port(self) -> int:
+        """The data channel's port (0: the store has none), asked of the store once per connection loss."""
+        if self._data_port is None:
+            self._data_port = self.control.stats().data_port
+        return self._data_port
+
+    def _connection(self, op: str) -> "_Borrowed":
+        return _Borrowed(self, op)
+
+    def _connect(self) -> socket.socket:
+        sock = socket.create_connection((self._host, self._port()), timeout=self.timeout_s)
+        tune(sock)
+        if self._ssl is not None:
+            sock = self._ssl.wrap_socket(sock, server_hostname=self._host)
+        return sock
+
+
+class _Borrowed:
+    """One call's connection: an idle one or a new one; back to the idle ones
+    after a clean call, closed (and the port asked again) after a failure."""
+
+    def __init__(self, client: BlockStoreClient, op: str) -> None:
+        self.client = client
+        self.op = op
+        self.sock: Optional[socket.socket] = None
+
+    def __enter__(self) -> socket.socket:
+        client = self.client
+        if not client._slots.acquire(timeout=client.timeout_s):
+            raise KVStoreUnavailable(f"KV store at {client.target}: {self.op} found every connection busy "
+                                     f"for {client.timeout_s:g}s")
+        try:
+            try:
+                self.sock = client._idle.get_nowait()
+            except queue.Empty:
+                self.sock = client._connect()
+            self.sock.settimeout(client.timeout_s)
+        except (OSError, ssl.SSLError) as exc:
+            client._slots.release()
+            client._data_port = None
+            raise KVStoreUnavailable(f"KV store at {client.target}: cannot open its data channel: {exc}") from exc
+        self.started = time.monotonic()
+        return self.sock
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        client = self.client
+        try:
+            if kind is None:
+                client._idle.put(self.sock)
+                return False
+            self.sock.close()
+            client._data_port = None
+            if isinstance(exc, wire.RemoteError):
+                raise KVStoreUnavailable(f"KV store at {client.target}: {self.op} failed: {exc}") from exc
+            if isinstance(exc, (OSError, ssl.SSLError, wire.ProtocolError)):
+                raise KVStoreUnavailable(f"KV store at {client.target}: {self.op} over the data channel "
+                                         f"failed after {time.monotonic() - self.started:.1f}s: {exc}") from exc
+            return False
+        finally:
+            client._slots.release()
+
+
+def _client_ssl_context(tls: Optional[TLSConfig]) -> Optional[ssl.SSLContext]:
+    """TLS to the data channel when the role talks TLS to other roles (a CA given),
+    showing its certificate as a client certificate when it has one."""
+    if not (tls and tls.ca_file):
+        return None
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=tls.ca_file)
+    if tls.cert_file and tls.key_file:
+        context.load_cert_chain(tls.cert_file, tls.key_file)
+    return context

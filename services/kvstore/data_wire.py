@@ -1,0 +1,112 @@
+"""The KV store's bulk data channel: framed binary messages over one TCP
+connection, outside gRPC and protobuf, so a block's bytes are written
+straight from the sender's buffer and read straight into the receiver's.
+
+gRPC stays the control plane (Exists, Delete, Stats, health); the store says
+in Stats which port this channel listens on. A connection carries one call at
+a time; a client keeps several connections for calls in parallel.
+
+Request: the header REQUEST (magic, op, key count), then each key as a u16
+length and its UTF-8 bytes; PUT then sends each value as a u64 length and its
+bytes. Little endian throughout.
+A reply starts with a status byte. OK (0) is followed by:
+  PUT    -> u32 stored, u32 refused (larger than the store's capacity);
+  GET    -> per key: i64 length (-1: missing), then that many bytes;
+  EXISTS -> one byte per key (1 present, 0 missing).
+FAILED (1), an error the store can name (its backend unreachable), is
+followed by a u32 length and a UTF-8 message; the connection stays usable.
+"""
+from __future__ import annotations
+
+import socket
+import struct
+from typing import Sequence
+
+MAGIC = b"TKVD"
+OP_PUT, OP_GET, OP_EXISTS = 1, 2, 3
+OPS = {OP_PUT: "put", OP_GET: "get", OP_EXISTS: "exists"}
+REQUEST = struct.Struct("<4sBI")  # magic, op, number of keys
+OK, FAILED = b"\x00", b"\x01"
+MESSAGE_LEN = struct.Struct("<I")
+KEY_LEN = struct.Struct("<H")
+VALUE_LEN = struct.Struct("<Q")
+FOUND_LEN = struct.Struct("<q")
+PUT_REPLY = struct.Struct("<II")
+MAX_KEYS = 1 << 16  # per call: a request larger than this is refused as malformed
+MAX_KEY_BYTES = 1024
+
+
+class ProtocolError(ValueError):
+    """The peer sent bytes that are not this protocol (or closed mid-message)."""
+
+
+def encode_keys(keys: Sequence[str]) -> bytes:
+    parts = []
+    for key in keys:
+        raw = key.encode()
+        if not raw or len(raw) > MAX_KEY_BYTES:
+            raise ValueError(f"KV store keys must be 1 to {MAX_KEY_BYTES} bytes, got {len(raw)}")
+        parts.append(KEY_LEN.pack(len(raw)))
+        parts.append(raw)
+    return b"".join(parts)
+
+
+def request_header(op: int, keys: Sequence[str]) -> bytes:
+    return REQUEST.pack(MAGIC, op, len(keys)) + encode_keys(keys)
+
+
+def recv_exactly_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill `view` from the socket (recv_into: the bytes land in place, and the
+    call waits without the GIL)."""
+    got, size = 0, len(view)
+    while got < size:
+        n = sock.recv_into(view[got:], size - got)
+        if n == 0:
+            raise ProtocolError(f"the peer closed the connection after {got} of {size} bytes")
+        got += n
+
+
+def recv_exactly(sock: socket.socket, size: int) -> bytearray:
+    buf = bytearray(size)
+    recv_exactly_into(sock, memoryview(buf))
+    return buf
+
+
+def recv_struct(sock: socket.socket, fmt: struct.Struct) -> tuple:
+    return fmt.unpack(recv_exactly(sock, fmt.size))
+
+
+def read_request(sock: socket.socket) -> tuple[int, list[str]]:
+    """(op, keys) of the next request; ProtocolError on anything else."""
+    magic, op, count = recv_struct(sock, REQUEST)
+    if magic != MAGIC or op not in OPS:
+        raise ProtocolError(f"not a tandem KV data request (magic {magic!r}, op {op})")
+    if count > MAX_KEYS:
+        raise ProtocolError(f"{count} keys in one request; the limit is {MAX_KEYS}")
+    keys = []
+    for _ in range(count):
+        (length,) = recv_struct(sock, KEY_LEN)
+        if not 0 < length <= MAX_KEY_BYTES:
+            raise ProtocolError(f"a key of {length} bytes; keys are 1 to {MAX_KEY_BYTES}")
+        keys.append(recv_exactly(sock, length).decode())
+    return op, keys
+
+
+def send_failed(sock: socket.socket, message: str) -> None:
+    raw = message.encode()
+    sock.sendall(FAILED + MESSAGE_LEN.pack(len(raw)) + raw)
+
+
+def read_status(sock: socket.socket) -> None:
+    """The reply's status byte: returns on OK, raises RemoteError on FAILED."""
+    status = bytes(recv_exactly(sock, 1))
+    if status == OK:
+        return
+    if status != FAILED:
+        raise ProtocolError(f"not a tandem KV data reply (status byte {status!r})")
+    (length,) = recv_struct(sock, MESSAGE_LEN)
+    raise RemoteError(recv_exactly(sock, length).decode(errors="replace"))
+
+
+class RemoteError(RuntimeError):
+    """The store answered with an error it could name (its backend unreachable)."""
