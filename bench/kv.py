@@ -4,9 +4,12 @@ store, against the ceilings measured in the same run.
 Every path moves the same bytes: --size-mib of blocks of --block-kib each
 (the default, 2 MiB, is one block of Llama-3-8B in bf16: 32 layers, K and V,
 16 tokens, 8 KV heads of 128). Paths:
-- store: BlockStoreClient through a real KV store process's data channel
-  (what engines use), from and into one reused arena, per backend;
-- store-grpc: the same client with the store's data channel off (gRPC Put/Get);
+- store: what engines use: the store client, its bytes moved by a mover
+  process over a real KV store process's data channel, from and into one
+  reused shared-memory arena, per backend;
+- store (in-process): the same with the bytes moved in this process;
+- store (grpc): the in-process client with the store's data channel off
+  (gRPC Put/Get);
 - tcp: the ceiling of the link: one TCP connection on loopback between two
   processes, 4 MiB sendall / recv_into into a reused buffer;
 - memcpy: a copy into a reused buffer in this process.
@@ -198,11 +201,14 @@ def redis_process() -> Iterator[Optional[str]]:
             proc.wait(10)
 
 
-def store_paths(target: str, total: int, block: int) -> tuple[Callable[[], None], Callable[[], None]]:
-    """(save, load) of total bytes in blocks through a BlockStoreClient."""
+def store_paths(target: str, total: int, block: int, mover: bool
+                ) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
+    """(save, load, close) of total bytes in blocks through the engines' store
+    client: bytes moved by a mover process, or in this process."""
     from tandem.services.kvstore.block_client import BlockStoreClient
+    from tandem.services.kvstore.mover import MovedBlockStoreClient
 
-    client = BlockStoreClient(target, timeout_s=120.0)
+    client = (MovedBlockStoreClient if mover else BlockStoreClient)(target, timeout_s=120.0)
     n = total // block
     arena = client.open_arena(n * block)
     arena[:] = os.urandom(len(arena))
@@ -233,7 +239,7 @@ def store_paths(target: str, total: int, block: int) -> tuple[Callable[[], None]
     def get(group) -> None:
         if not all(client.get(group)):
             raise RuntimeError("the store lost blocks between save and load")
-    return lambda: across(put), lambda: across(get)
+    return lambda: across(put), lambda: across(get), client.close
 
 
 def run(args: argparse.Namespace) -> int:
@@ -259,12 +265,15 @@ def run(args: argparse.Namespace) -> int:
             if spec is None:
                 print("redis: redis-server is not installed; skipped", file=sys.stderr)
                 continue
-            for data_channel in (True, False):
-                path = f"store {backend}" + ("" if data_channel else " (grpc)")
+            for data_channel, mover in ((True, True), (True, False), (False, False)):
+                path = f"store {backend}" + ("" if mover else " (in-process)" if data_channel else " (grpc)")
                 with store_process(spec, 4 * total, data_channel) as target:
-                    save, load = store_paths(target, total, block)
-                    measure(path, "save", save)
-                    measure(path, "load", load)
+                    save, load, close = store_paths(target, total, block, mover)
+                    try:
+                        measure(path, "save", save)
+                        measure(path, "load", load)
+                    finally:
+                        close()
     ceiling = {r["busy"]: r["GBps"] for r in rows if r["path"] == "tcp loopback"}
     idle = {(r["path"], r["what"]): r["GBps"] for r in rows if r["busy"] == 0}
     print(f"\n{'path':<22}{'what':<6}{'busy':>5}{'GB/s':>8}{'/tcp':>7}{'/idle':>7}")

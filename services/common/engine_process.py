@@ -111,10 +111,11 @@ async def run_engine_service(args: argparse.Namespace, *, role: str, kv_role: st
     config = engine_config_from_args(args, kv_role)
     kv_store = None
     if config.kv_transfer == "store":
-        from tandem.services.kvstore.block_client import BlockStoreClient
+        from tandem.services.kvstore.mover import MovedBlockStoreClient
 
-        # Short deadlines: a store that does not answer costs a recompute, not a stalled request.
-        kv_store = BlockStoreClient(args.kv_store, timeout_s=KV_STORE_TIMEOUT_S, tls=tls_from_args(args))
+        # KV bytes move in a helper process, off this one's busy GIL. Short
+        # deadlines: a store that does not answer costs a recompute, not a stalled request.
+        kv_store = MovedBlockStoreClient(args.kv_store, timeout_s=KV_STORE_TIMEOUT_S, tls=tls_from_args(args))
     try:
         engine = AsyncLLMEngine(config, on_death=on_death, kv_store=kv_store)
     except ModelNotFoundError as exc:

@@ -127,3 +127,40 @@ def test_with_tls_the_data_channel_speaks_tls(tmp_path):
             assert answer == b""  # closed, never answered
     finally:
         proc.stop()
+
+
+def test_a_mover_process_moves_the_bytes_through_shared_memory(store):
+    from tandem.services.kvstore.mover import MovedBlockStoreClient
+
+    client = MovedBlockStoreClient(store.target, timeout_s=10.0)
+    try:
+        arena = client.open_arena(2 * BLOCK)
+        arena[:BLOCK] = os.urandom(BLOCK)
+        assert client._local is None and client._process.is_alive()  # shared memory, a child moves bytes
+        assert client.put(items(["m"])) == 1 and client.exists(["m", "x"]) == [True, False]
+        assert client.get(items(["m", "x"], first_slot=1)) == [True, False]
+        assert arena[BLOCK:2 * BLOCK] == arena[:BLOCK]
+        client._process.kill()  # the mover dies: calls fail fast, the connector recomputes
+        client._process.join()
+        with pytest.raises(KVStoreUnavailable):
+            client.get(items(["m"]))
+    finally:
+        client.close()
+
+
+def test_without_room_in_dev_shm_the_bytes_move_in_this_process(store, monkeypatch):
+    from tandem.services.kvstore import mover
+
+    def no_room(nbytes):
+        raise ValueError("/dev/shm has 0 MiB free")
+
+    monkeypatch.setattr(mover, "_check_room", no_room)
+    client = mover.MovedBlockStoreClient(store.target, timeout_s=10.0)
+    try:
+        arena = client.open_arena(2 * BLOCK)
+        assert client._local is not None and client._process is None
+        arena[:BLOCK] = os.urandom(BLOCK)
+        assert client.put(items(["l"])) == 1 and client.get(items(["l"], first_slot=1)) == [True]
+        assert arena[BLOCK:] == arena[:BLOCK]
+    finally:
+        client.close()

@@ -13,7 +13,9 @@ def test_bench_kv_reports_each_path_against_the_ceilings(tmp_path):
     result = json.loads(out.read_text())
     paths = {(r["path"], r["what"], r["busy"]) for r in result["rows"]}
     for path, what in (("tcp loopback", "recv"), ("memcpy", "copy"), ("store memory", "save"),
-                       ("store memory", "load"), ("store memory (grpc)", "save"), ("store memory (grpc)", "load")):
+                       ("store memory", "load"), ("store memory (in-process)", "save"),
+                       ("store memory (in-process)", "load"), ("store memory (grpc)", "save"),
+                       ("store memory (grpc)", "load")):
         assert {(path, what, 0.0), (path, what, 0.5)} <= paths
     tcp = next(r["GBps"] for r in result["rows"] if r["path"] == "tcp loopback" and r["busy"] == 0)
     for r in result["rows"]:

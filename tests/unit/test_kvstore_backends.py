@@ -157,3 +157,19 @@ def test_redis_down_raises_backend_unavailable_then_recovers(redis_server):
         backend.close()
         if not redis_server.running:
             redis_server.start()
+
+
+def test_memory_backend_reuses_a_dropped_buffer_but_never_one_still_being_read():
+    backend = MemoryBackend(capacity_bytes=10_000)
+    first = backend.take_buffer(1000)
+    first[:] = b"a" * 1000
+    backend.put([("k", first)])
+    del first
+    held = backend.get(["k"])[0]  # a GET still sending it
+    backend.put([("k", bytearray(b"b" * 1000))])
+    assert bytes(held) == b"a" * 1000 and backend.take_buffer(1000) is not held
+    del held
+    backend.put([("k", bytearray(b"c" * 1000))])  # the "b" buffer: nobody refers to it now
+    reused = backend.take_buffer(1000)
+    assert bytes(reused) == b"b" * 1000  # the spare came back (its bytes are overwritten by the next value)
+    assert backend.get(["k"]) == [bytearray(b"c" * 1000)]

@@ -173,6 +173,14 @@ over the global `env`. Usage: (dict "root" $ "role" "decode" "model" true "engin
 {{- define "tandem.volumes" -}}
 - name: tmp
   emptyDir: {}
+{{- if has .role (list "prefill" "decode") }}
+{{- /* The KV mover's staging arena is shared memory (services/kvstore/mover.py);
+a container's own /dev/shm is 64 MiB. It counts against the memory limit. */}}
+- name: shm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .root.Values.sharedMemory.sizeLimit }}
+{{- end }}
 {{- if and .model (eq .root.Values.model.source "pvc") }}
 - name: model
   persistentVolumeClaim:
@@ -189,6 +197,10 @@ over the global `env`. Usage: (dict "root" $ "role" "decode" "model" true "engin
 {{- define "tandem.volumeMounts" -}}
 - name: tmp
   mountPath: /tmp
+{{- if has .role (list "prefill" "decode") }}
+- name: shm
+  mountPath: /dev/shm
+{{- end }}
 {{- if and .model (eq .root.Values.model.source "pvc") }}
 - name: model
   mountPath: {{ .root.Values.model.pvc.mountPath }}

@@ -73,9 +73,9 @@ spec:
           securityContext:
             {{- toYaml $v.securityContext | nindent 12 }}
           volumeMounts:
-            {{- include "tandem.volumeMounts" (dict "root" $root "model" .model) | nindent 12 }}
+            {{- include "tandem.volumeMounts" (dict "root" $root "model" .model "role" .role) | nindent 12 }}
       volumes:
-        {{- include "tandem.volumes" (dict "root" $root "model" .model) | nindent 8 }}
+        {{- include "tandem.volumes" (dict "root" $root "model" .model "role" .role) | nindent 8 }}
 ---
 apiVersion: v1
 kind: Service
