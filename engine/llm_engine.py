@@ -133,7 +133,11 @@ class LLMEngine:
             from tandem.engine.connector.direct import DirectConnector
 
             return DirectConnector(role, layout)
-        raise ValueError(f"kv_transfer must be 'store' or 'direct' (or unset), got {kind!r}")
+        if kind == "nixl":
+            from tandem.engine.connector.nixl import NixlConnector
+
+            return NixlConnector(role, layout)
+        raise ValueError(f"kv_transfer must be 'store', 'direct' or 'nixl' (or unset), got {kind!r}")
 
     # ---- requests ------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,

@@ -1,15 +1,22 @@
-"""The direct transfer's handle between its engine form (a DirectHandle in
-RequestOutput.kv_transfer_params) and its wire form (common.proto KVHandle)."""
+"""A prefill's handle to a prompt's blocks between its engine form (in
+RequestOutput.kv_transfer_params: a DirectHandle, or a NixlHandle) and its
+wire form (common.proto KVHandle)."""
 from __future__ import annotations
 
 from typing import Optional
 
+from tandem.engine.connector import nixl
 from tandem.engine.connector.direct import HANDLE_KEY, DirectHandle
 from tandem.engine.connector.shared_cache import SEGMENT_PREFIX, CudaIpcHandle, KVExport
 from tandem.v1 import common_pb2
 
+DTYPES = ("bfloat16", "float16", "float32")
+
 
 def handle_to_proto(kv_transfer_params: dict) -> Optional[common_pb2.KVHandle]:
+    nixl_handle: Optional[nixl.NixlHandle] = kv_transfer_params.get(nixl.HANDLE_KEY)
+    if nixl_handle is not None:
+        return _nixl_to_proto(nixl_handle)
     handle: Optional[DirectHandle] = kv_transfer_params.get(HANDLE_KEY)
     if handle is None:
         return None
@@ -27,18 +34,35 @@ def handle_to_proto(kv_transfer_params: dict) -> Optional[common_pb2.KVHandle]:
     return msg
 
 
+def _nixl_to_proto(h: "nixl.NixlHandle") -> common_pb2.KVHandle:
+    return common_pb2.KVHandle(
+        shape=list(h.shape), dtype=h.dtype, model=h.model, block_ids=h.block_ids, generations=h.generations,
+        nixl=common_pb2.NixlExport(agent=h.agent, metadata=h.metadata, mem_type=h.mem_type, device=h.device,
+                                   cache_address=h.cache_address, generations_address=h.generations_address))
+
+
 def handle_from_proto(msg: common_pb2.KVHandle) -> dict:
     """kv_transfer_params for the engine; raises ValueError on a malformed handle."""
     if len(msg.shape) != 6 or len(msg.block_ids) != len(msg.generations):
         raise ValueError("kv_handle: shape must have 6 dimensions and every block a generation")
+    if msg.dtype not in DTYPES:
+        raise ValueError(f"kv_handle: unknown dtype {msg.dtype!r}")
+    if any(b < 0 or b >= msg.shape[2] for b in msg.block_ids):
+        raise ValueError("kv_handle: block ids outside the cache")
+    if msg.HasField("nixl"):
+        n = msg.nixl
+        if not n.agent or not n.metadata or n.mem_type not in ("DRAM", "VRAM"):
+            raise ValueError("kv_handle.nixl: needs an agent, its metadata and a memory type (DRAM or VRAM)")
+        # The addresses are the producer's: NIXL reads only inside memory that agent registered.
+        return {nixl.HANDLE_KEY: nixl.NixlHandle(
+            agent=n.agent, metadata=n.metadata, model=msg.model, shape=tuple(msg.shape), dtype=msg.dtype,
+            mem_type=n.mem_type, device=n.device, cache_address=n.cache_address,
+            generations_address=n.generations_address, block_ids=list(msg.block_ids),
+            generations=list(msg.generations))}
     # Only segments a tandem prefill made: a handle must not open other shared memory.
     for name in (msg.generations_shm, msg.data_shm):
         if name and not name.startswith(SEGMENT_PREFIX):
             raise ValueError(f"kv_handle: {name!r} is not a tandem KV segment")
-    if msg.dtype not in ("bfloat16", "float16", "float32"):
-        raise ValueError(f"kv_handle: unknown dtype {msg.dtype!r}")
-    if any(b < 0 or b >= msg.shape[2] for b in msg.block_ids):
-        raise ValueError("kv_handle: block ids outside the cache")
     cuda = None
     if msg.HasField("cuda"):
         c = msg.cuda

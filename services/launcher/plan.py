@@ -17,7 +17,7 @@ from tandem.services.launcher.children import Child
 # Engine settings `tandem up` decides itself: the store is its own child.
 LAUNCHER_DECIDES = ("kv_store",)
 # Its own --kv-transfer takes store or direct; `none` would leave the prefill tier useless.
-UP_KV_TRANSFERS = ("store", "direct")
+UP_KV_TRANSFERS = ("store", "direct", "nixl")
 
 # The env twins of the engine settings. Engines do not inherit them from the
 # launcher's environment: the launcher read them already and passes every

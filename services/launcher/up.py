@@ -81,7 +81,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             start_child(kvstore)
             wait_listening([kvstore], args.startup_timeout, progress)
         else:
-            progress(f"direct KV transfer between prefill and decode, no KV store; logs in {log_dir}")
+            progress(f"{args.kv_transfer} KV transfer between prefill and decode, no KV store; logs in {log_dir}")
         for c in prefills + decodes:
             children.append(c)
             start_child(c)
@@ -168,8 +168,9 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--kv-transfer", default="store", choices=UP_KV_TRANSFERS,
              help="how KV moves from prefill to decode, passed to every engine as --kv-transfer: "
                   "store (through the KV store service this command starts, which is also a prefix "
-                  "cache shared by every engine) or direct (decode copies from the prefill's shared "
-                  "memory / CUDA IPC; no store; one host only)")
+                  "cache shared by every engine), direct (decode copies from the prefill's shared "
+                  "memory / CUDA IPC; no store; one host only) or nixl (decode reads from the "
+                  "prefill's cache peer to peer through NIXL, as across hosts; no store)")
     add_flag(p, "--kvstore-port", type=int, default=0,
              help="KV store port; 0 picks a free one (kept across restarts, as every child's port)")
     add_flag(p, "--prefill", type=int, default=1, help="number of prefill instances (0: decode prefills)")

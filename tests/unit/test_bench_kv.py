@@ -12,7 +12,7 @@ def test_bench_kv_reports_each_path_against_the_ceilings(tmp_path):
                    check=True, capture_output=True, timeout=300)
     result = json.loads(out.read_text())
     paths = {(r["path"], r["what"], r["busy"]) for r in result["rows"]}
-    for path, what in (("tcp loopback", "recv"), ("memcpy", "copy"), ("store memory", "save"),
+    for path, what in (("tcp loopback", "recv"), ("memcpy", "copy"), ("nixl (UCX)", "read"), ("store memory", "save"),
                        ("store memory", "load"), ("store memory (in-process)", "save"),
                        ("store memory (in-process)", "load"), ("store memory (grpc)", "save"),
                        ("store memory (grpc)", "load")):

@@ -84,7 +84,7 @@ def test_a_bad_env_value_is_an_error_naming_the_variable(monkeypatch, capsys, en
 
 def test_choices_come_from_the_annotation():
     specs = {s.name: s for s in flag_specs(EngineArgs)}
-    assert specs["kv_transfer"].choices == ("none", "store", "direct")
+    assert specs["kv_transfer"].choices == ("none", "store", "direct", "nixl")
     assert specs["attention_backend"].choices == ("auto", "triton", "torch")
     with pytest.raises(SystemExit):
         parse("--policy", "lifo")
