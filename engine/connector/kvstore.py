@@ -91,9 +91,10 @@ class StoreSave:
 class StoreMeta(ConnectorMeta):
     loads: list[StoreLoad] = field(default_factory=list)
     saves: list[StoreSave] = field(default_factory=list)
-    # Set by save_layer: the slots this step's saves are staged in (-1: none).
+    # Set by save_layer: the slots this step's saves are staged in (-1: none), and their blocks.
     save_slot: int = -1
     num_save_blocks: int = 0
+    save_block_ids: Optional[torch.Tensor] = None
 
 
 class KVStoreConnector(KVConnector):
@@ -148,12 +149,14 @@ class KVStoreConnector(KVConnector):
             return Prefetched(first_block=first, failure="lookup")
         if n == 0:
             return Prefetched(first_block=first)
-        return self._load(first, candidates[:n])
+        # Prefetches leave a quarter of the arena to the saves: requests waiting
+        # for admission must not take every slot a step's saves need.
+        return self._load(first, candidates[:n], keep_free=self.arena.num_slots // 4)
 
-    def _load(self, first: int, hashes: list[bytes]) -> Prefetched:
+    def _load(self, first: int, hashes: list[bytes], keep_free: int = 0) -> Prefetched:
         """These blocks from the store into arena slots (every layer of each)."""
         started = time.monotonic()
-        slot = self.arena.alloc(len(hashes))
+        slot = self.arena.alloc(len(hashes), keep_free=keep_free)
         if slot is None:
             log.warning("KV staging arena full (%d slots): computing %d blocks locally",
                         self.arena.num_slots, len(hashes))
@@ -300,12 +303,13 @@ class KVStoreConnector(KVConnector):
                 self.stats.save_failures += 1
                 return
             meta.save_slot, meta.num_save_blocks = slot, n
+            meta.save_block_ids = torch.tensor([b for s in meta.saves for b in s.block_ids],
+                                               device=self.kv_cache.device)
             self.arena.write_headers(slot, n)
         if meta.save_slot < 0:
             return
-        ids = torch.tensor([b for s in meta.saves for b in s.block_ids], device=self.kv_cache.device)
         staged = self.arena.blocks[meta.save_slot:meta.save_slot + meta.num_save_blocks, layer]
-        staged.copy_(self.kv_cache[layer][:, ids].transpose(0, 1))  # [n, 2, block_size, heads, dim]
+        staged.copy_(self.kv_cache[layer][:, meta.save_block_ids].transpose(0, 1))  # [n, 2, block_size, heads, dim]
         if layer == self.layout.num_layers - 1:
             keys = [block_key(h) for s in meta.saves for h in s.block_hashes]
             self._saves.append(self._saver.submit(self._put, keys, meta.save_slot))

@@ -48,17 +48,23 @@ class StagingArena:
         return -(-(HEADER_BYTES + layout.block_bytes) // ALIGN) * ALIGN
 
     # ---- slots ---------------------------------------------------------
-    def alloc(self, n: int, wait_s: float = 0.0) -> Optional[int]:
+    def alloc(self, n: int, wait_s: float = 0.0, keep_free: int = 0) -> Optional[int]:
         """The first of n contiguous free slots, or None when there are none
-        (after waiting up to wait_s for frees)."""
+        (after waiting up to wait_s for frees), or when taking them would leave
+        fewer than keep_free slots free."""
         if n <= 0 or n > self.num_slots:
             return None
         with self._lock:
+            if self._num_free() - n < keep_free:
+                return None
             start = self._take(n)
             if start is None and wait_s > 0:
                 self._lock.wait_for(lambda: self._fits(n), timeout=wait_s)
                 start = self._take(n)
             return start
+
+    def _num_free(self) -> int:
+        return sum(length for _, length in self._free)
 
     def _fits(self, n: int) -> bool:
         return any(length >= n for _, length in self._free)
@@ -89,7 +95,7 @@ class StagingArena:
     @property
     def num_free(self) -> int:
         with self._lock:
-            return sum(length for _, length in self._free)
+            return self._num_free()
 
     # ---- contents --------------------------------------------------------
     def write_headers(self, start: int, n: int) -> None:

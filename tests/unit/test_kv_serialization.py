@@ -51,3 +51,11 @@ def test_slots_come_back_merged_and_a_full_arena_says_so():
     assert a.alloc(5) is None  # 4 free, not 5
     a.free(second, 2)
     assert a.num_free == 6 and a.alloc(6) == 0
+
+
+def test_an_allocation_may_leave_slots_for_others():
+    # Prefetches leave room for a step's saves: they take nothing that would
+    # leave fewer than keep_free slots.
+    a = arena(layout(), slots=8)
+    assert a.alloc(5, keep_free=4) is None and a.num_free == 8
+    assert a.alloc(4, keep_free=4) == 0 and a.alloc(4) == 4
