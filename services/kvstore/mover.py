@@ -22,6 +22,7 @@ import secrets
 import signal
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any, Optional, Sequence
@@ -131,7 +132,11 @@ class MovedBlockStoreClient:
             self._calls.pop(call_id, None)
             raise KVStoreUnavailable(f"KV store at {self.target}: the KV mover is gone: {exc}") from exc
         # The mover gives up on the store after timeout_s; this waits a little longer for its answer.
-        ok, value = future.result(timeout=self.timeout_s * 2 + 5)
+        try:
+            ok, value = future.result(timeout=self.timeout_s * 2 + 5)
+        except FutureTimeout:
+            self._calls.pop(call_id, None)
+            raise KVStoreUnavailable(f"KV store at {self.target}: the KV mover did not answer {op}") from None
         if not ok:
             raise KVStoreUnavailable(value)
         return value
