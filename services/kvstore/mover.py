@@ -14,12 +14,15 @@ and moves bytes in this process instead, as BlockStoreClient does.
 """
 from __future__ import annotations
 
+import argparse
 import itertools
 import logging
-import multiprocessing
 import os
 import secrets
 import signal
+import socket
+import subprocess
+import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -47,7 +50,7 @@ class MovedBlockStoreClient:
         self._settings = (target, timeout_s, tls, connections)
         self._segment: Optional[SharedMemory] = None
         self._local: Optional[BlockStoreClient] = None  # without room in /dev/shm
-        self._process: Optional[multiprocessing.Process] = None
+        self._process: Optional[subprocess.Popen] = None
         self._conn: Optional[Connection] = None
         self._send_lock = threading.Lock()
         self._calls: dict[int, Future] = {}
@@ -95,9 +98,11 @@ class MovedBlockStoreClient:
                 except OSError:
                     pass
         if self._process is not None:
-            self._process.join(timeout=5)
-            if self._process.is_alive():
+            try:
+                self._process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
                 self._process.kill()
+                self._process.wait()
         if self._segment is not None:
             self.arena = None
             self._segment.close()
@@ -105,22 +110,30 @@ class MovedBlockStoreClient:
 
     # ---- the mover ---------------------------------------------------------
     def _start(self) -> None:
-        context = multiprocessing.get_context("spawn")  # the engine has threads (and maybe CUDA) by now
-        ours, theirs = context.Pipe()
-        self._process = context.Process(target=_mover_main, args=(self._settings, self._segment.name, theirs),
-                                        name="tandem-kv-mover", daemon=True)
-        self._process.start()
+        # Its own interpreter, not a multiprocessing child: that would import the
+        # engine's __main__ (torch and the model code) again, 10x the memory.
+        ours, theirs = socket.socketpair()
+        target, timeout_s, tls, connections = self._settings
+        argv = [sys.executable, "-m", "tandem.services.kvstore.mover", "--fd", str(theirs.fileno()),
+                "--segment", self._segment.name, "--target", target, "--timeout", str(timeout_s),
+                "--connections", str(connections)]
+        if tls is not None:
+            for flag, path in (("--tls-cert", tls.cert_file), ("--tls-key", tls.key_file), ("--tls-ca", tls.ca_file)):
+                if path:
+                    argv += [flag, path]
+        self._process = subprocess.Popen(argv, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         theirs.close()
-        if not ours.poll(START_TIMEOUT_S) or ours.recv() != "ready":
+        self._conn = Connection(ours.detach())
+        if not self._conn.poll(START_TIMEOUT_S) or self._conn.recv() != "ready":
+            self._process.kill()
             raise RuntimeError("the KV mover process did not start")
-        self._conn = ours
         self._reader = threading.Thread(target=self._read_replies, name="kv-mover-replies", daemon=True)
         self._reader.start()
 
     def _call(self, op: str, args: Any) -> Any:
         if self._local is not None:
             return getattr(self._local, op)(args)
-        if self._process is None or not self._process.is_alive():
+        if self._process is None or self._process.poll() is not None:
             raise KVStoreUnavailable(f"KV store at {self.target}: the KV mover process has stopped")
         call_id = next(self._ids)
         future: Future = Future()
@@ -209,3 +222,24 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except Exception:
         pass
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """`python -m tandem.services.kvstore.mover`: started by MovedBlockStoreClient, not by hand."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--fd", type=int, required=True, help="the socket to the engine")
+    parser.add_argument("--segment", required=True, help="the shared-memory arena")
+    parser.add_argument("--target", required=True, help="the KV store's gRPC address")
+    parser.add_argument("--timeout", type=float, required=True)
+    parser.add_argument("--connections", type=int, required=True)
+    parser.add_argument("--tls-cert")
+    parser.add_argument("--tls-key")
+    parser.add_argument("--tls-ca")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_ca) if (args.tls_cert or args.tls_ca) else None
+    _mover_main((args.target, args.timeout, tls, args.connections), args.segment, Connection(args.fd))
+
+
+if __name__ == "__main__":
+    main()
