@@ -186,30 +186,6 @@ def test_kvstore_is_cluster_internal(rendered):
         assert all("nodePort" not in p for p in service["ports"])
 
 
-def test_kvstore_exposes_its_data_channel_to_the_engines(rendered):
-    # Engines find the data port in the store's Stats and connect to the same
-    # Service name: the Service and the container must both carry it.
-    manifests, _ = rendered["default"]
-    service = by_kind(manifests, "Service")["demo-tandem-kvstore"].doc["spec"]
-    assert {"name": "data", "port": 50082} in [{k: p[k] for k in ("name", "port")} for p in service["ports"]]
-    kvstore = container(by_kind(manifests, "Deployment")["demo-tandem-kvstore"])
-    assert env_of(by_kind(manifests, "Deployment")["demo-tandem-kvstore"])["TANDEM_DATA_PORT"] == "50082"
-    assert 50082 in [p["containerPort"] for p in kvstore["ports"]]
-
-
-def test_engines_get_a_shared_memory_volume_for_their_kv_staging_arena(rendered):
-    deployments = by_kind(rendered["default"][0], "Deployment")
-    for role in ROLES:
-        spec = deployments[f"demo-tandem-{role}"].doc["spec"]["template"]["spec"]
-        volumes = {v["name"]: v for v in spec["volumes"]}
-        mounts = {m["name"]: m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
-        if role in ("prefill", "decode"):
-            assert volumes["shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"}, role
-            assert mounts["shm"] == "/dev/shm", role
-        else:
-            assert "shm" not in volumes, role
-
-
 def test_engine_services_are_headless_so_the_router_sees_every_pod(rendered):
     services = by_kind(rendered["default"][0], "Service")
     for role in ("prefill", "decode"):
