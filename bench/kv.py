@@ -4,9 +4,12 @@ store, against the ceilings measured in the same run.
 Every path moves the same bytes: --size-mib of blocks of --block-kib each
 (the default, 2 MiB, is one block of Llama-3-8B in bf16: 32 layers, K and V,
 16 tokens, 8 KV heads of 128). Paths:
-- store: what engines use: the store client, its bytes moved by a mover
-  process over a real KV store process's data channel, from and into one
-  reused shared-memory arena, per backend;
+- store (shared memory): what engines use beside a store on their host: the
+  store client with a mover process, and a real KV store process that maps
+  the engine's shared-memory arena and copies each value in and out of it
+  (no bytes on the socket); compare it with memcpy;
+- store: the same with the values sent over the store's data channel by the
+  mover process (a store on another host), per backend;
 - store (in-process): the same with the bytes moved in this process;
 - store (grpc): the in-process client with the store's data channel off
   (gRPC Put/Get);
@@ -51,6 +54,9 @@ def register(subparsers) -> None:
     p.add_argument("--repeats", type=int, default=3, help="measurements per path; the median is reported")
     p.add_argument("--busy", default="0,1", help="load of a Python thread beside the transfer: 0 idle, 1 "
                                                  "spinning all the time, 0.5 half the time (comma-separated)")
+    p.add_argument("--switch-interval-ms", type=float, default=None,
+                   help="Python's GIL switch interval in this process while measuring (default: what engine "
+                        "processes with a KV mover set, 1 ms; Python's own default is 5)")
     p.add_argument("--output-json", default=None)
     p.set_defaults(handler=run)
 
@@ -259,14 +265,18 @@ def redis_process() -> Iterator[Optional[str]]:
             proc.wait(10)
 
 
-def store_paths(target: str, total: int, block: int, mover: bool
+def store_paths(target: str, total: int, block: int, mover: bool, shared: bool = False
                 ) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
     """(save, load, close) of total bytes in blocks through the engines' store
-    client: bytes moved by a mover process, or in this process."""
+    client: bytes moved by a mover process (through the store's mapping of
+    the arena when shared), or in this process."""
     from tandem.services.kvstore.block_client import BlockStoreClient
     from tandem.services.kvstore.mover import MovedBlockStoreClient
 
-    client = (MovedBlockStoreClient if mover else BlockStoreClient)(target, timeout_s=120.0)
+    if mover:
+        client = MovedBlockStoreClient(target, timeout_s=120.0, store_shared_memory=shared)
+    else:
+        client = BlockStoreClient(target, timeout_s=120.0)
     n = total // block
     arena = client.open_arena(n * block)
     arena[:] = os.urandom(len(arena))
@@ -301,6 +311,11 @@ def store_paths(target: str, total: int, block: int, mover: bool
 
 
 def run(args: argparse.Namespace) -> int:
+    from tandem.services.kvstore.mover import ENGINE_SWITCH_INTERVAL_S
+
+    interval_s = ENGINE_SWITCH_INTERVAL_S if args.switch_interval_ms is None else args.switch_interval_ms / 1e3
+    sys.setswitchinterval(interval_s)  # as in an engine process
+    print(f"GIL switch interval {interval_s * 1e3:g} ms", file=sys.stderr)
     total = args.size_mib << 20
     block = args.block_kib << 10
     busy_levels = [float(b) for b in args.busy.split(",")]
@@ -311,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
             with busy_thread(busy):
                 rate = timed(fn, total, args.repeats)
             rows.append({"path": path, "what": what, "busy": busy, "GBps": rate})
-            print(f"{path:<22}{what:<6} busy {busy:<4} {rate:6.2f} GB/s", file=sys.stderr, flush=True)
+            print(f"{path:<30}{what:<6} busy {busy:<4} {rate:6.2f} GB/s", file=sys.stderr, flush=True)
 
     with tcp_ceiling(total) as receive:
         measure("tcp loopback", "recv", receive)
@@ -328,10 +343,12 @@ def run(args: argparse.Namespace) -> int:
             if spec is None:
                 print("redis: redis-server is not installed; skipped", file=sys.stderr)
                 continue
-            for data_channel, mover in ((True, True), (True, False), (False, False)):
-                path = f"store {backend}" + ("" if mover else " (in-process)" if data_channel else " (grpc)")
+            variants = (("shared memory", True, True, True), ("", True, True, False),
+                        ("in-process", True, False, False), ("grpc", False, False, False))
+            for name, data_channel, mover, shared in variants:
+                path = f"store {backend}" + (f" ({name})" if name else "")
                 with store_process(spec, 4 * total, data_channel) as target:
-                    save, load, close = store_paths(target, total, block, mover)
+                    save, load, close = store_paths(target, total, block, mover, shared)
                     try:
                         measure(path, "save", save)
                         measure(path, "load", load)
@@ -339,14 +356,18 @@ def run(args: argparse.Namespace) -> int:
                         close()
     ceiling = {r["busy"]: r["GBps"] for r in rows if r["path"] == "tcp loopback"}
     idle = {(r["path"], r["what"]): r["GBps"] for r in rows if r["busy"] == 0}
-    print(f"\n{'path':<22}{'what':<6}{'busy':>5}{'GB/s':>8}{'/tcp':>7}{'/idle':>7}")
+    copying = idle.get(("memcpy", "copy"), float("nan"))
+    print(f"\n{'path':<30}{'what':<6}{'busy':>5}{'GB/s':>8}{'/tcp':>7}{'/memcpy':>8}{'/idle':>7}")
     for r in rows:
         r["of_tcp"] = r["GBps"] / ceiling.get(0.0, float("nan"))
+        r["of_memcpy"] = r["GBps"] / copying
         r["of_idle"] = r["GBps"] / idle.get((r["path"], r["what"]), float("nan"))
-        print(f"{r['path']:<22}{r['what']:<6}{r['busy']:>5}{r['GBps']:>8.2f}{r['of_tcp']:>7.2f}{r['of_idle']:>7.2f}")
+        print(f"{r['path']:<30}{r['what']:<6}{r['busy']:>5}{r['GBps']:>8.2f}{r['of_tcp']:>7.2f}"
+              f"{r['of_memcpy']:>8.2f}{r['of_idle']:>7.2f}")
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump({"size_bytes": total, "block_bytes": block, "rows": rows}, f, indent=2)
+            json.dump({"size_bytes": total, "block_bytes": block, "switch_interval_s": interval_s, "rows": rows},
+                  f, indent=2)
     return 0
 
 

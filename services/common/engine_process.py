@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import logging
 import os
+import sys
 import time
 
 from tandem.engine.config import ConfigError, EngineArgs, EngineConfig
@@ -111,11 +112,12 @@ async def run_engine_service(args: argparse.Namespace, *, role: str, kv_role: st
     config = engine_config_from_args(args, kv_role)
     kv_store = None
     if config.kv_transfer == "store":
-        from tandem.services.kvstore.mover import MovedBlockStoreClient
+        from tandem.services.kvstore.mover import ENGINE_SWITCH_INTERVAL_S, MovedBlockStoreClient
 
         # KV bytes move in a helper process, off this one's busy GIL. Short
         # deadlines: a store that does not answer costs a recompute, not a stalled request.
         kv_store = MovedBlockStoreClient(args.kv_store, timeout_s=KV_STORE_TIMEOUT_S, tls=tls_from_args(args))
+        sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)  # see there: the mover's answers wait for the GIL
     try:
         engine = AsyncLLMEngine(config, on_death=on_death, kv_store=kv_store)
     except ModelNotFoundError as exc:

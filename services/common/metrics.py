@@ -167,6 +167,9 @@ KVSTORE_EVICTIONS = Counter("tandem:kvstore_evictions", "Blocks evicted to stay 
 KVSTORE_PUTS = Counter("tandem:kvstore_puts", "Blocks stored.", KVSTORE)
 KVSTORE_BYTES_IN = Counter("tandem:kvstore_bytes_in", "Bytes received by puts.", KVSTORE)
 KVSTORE_BYTES_OUT = Counter("tandem:kvstore_bytes_out", "Bytes sent by gets.", KVSTORE)
+KVSTORE_SHARED_BYTES = Counter("tandem:kvstore_shared_memory_bytes",
+                               "Bytes of puts and gets copied through an engine's shared memory (same host) "
+                               "instead of the data channel's socket.", KVSTORE)
 
 
 def _family_name(metric: object) -> str:

@@ -9,9 +9,14 @@ that connection and raises KVStoreUnavailable (the connector recomputes);
 the next call connects again, asking Stats anew (a restarted store may listen
 elsewhere). A store without a data channel (--data-port -1) is used through
 gRPC Put and Get instead, copying each value.
+
+When the arena is shared memory (`shared`, set by the mover) and the store
+can map it (same host and /dev/shm), each connection attaches it and values
+move as offsets: the store copies them in and out of the arena itself.
 """
 from __future__ import annotations
 
+import logging
 import queue
 import socket
 import ssl
@@ -24,6 +29,7 @@ from tandem.services.kvstore import data_wire as wire
 from tandem.services.kvstore.client import KVStoreClient, KVStoreUnavailable
 from tandem.services.kvstore.data_server import tune
 
+log = logging.getLogger(__name__)
 
 class BlockStoreClient:
     def __init__(self, target: str, timeout_s: float = 5.0, tls: Optional[TLSConfig] = None,
@@ -37,6 +43,11 @@ class BlockStoreClient:
         self._slots = threading.BoundedSemaphore(connections)
         self._data_port: Optional[int] = None
         self.arena: Optional[memoryview] = None
+        # The arena's shared-memory segment (name, token), when it is one the
+        # store may attach; None: values always go through the socket.
+        self.shared: Optional[tuple[str, bytes]] = None
+        self._attached: set[socket.socket] = set()  # connections whose store mapped the arena
+        self._said_unshared = False
 
     # ---- KVStore -----------------------------------------------------------
     def open_arena(self, nbytes: int) -> memoryview:
@@ -49,10 +60,17 @@ class BlockStoreClient:
     def put(self, items: Sequence[tuple[str, int, int]]) -> int:
         if not items:
             return 0
+        self._check_spans(items)
         port = self._port()
         if port == 0:
             return self.control.put([(key, bytes(self.arena[o:o + n])) for key, o, n in items])
         with self._connection("put") as sock:
+            if sock in self._attached:
+                sock.sendall(wire.request_header(wire.OP_PUT_SHARED, [key for key, _, _ in items])
+                             + wire.encode_spans(items))
+                wire.read_status(sock)
+                stored, _refused = wire.recv_struct(sock, wire.PUT_REPLY)
+                return stored
             sock.sendall(wire.request_header(wire.OP_PUT, [key for key, _, _ in items]))
             for _, offset, length in items:
                 sock.sendall(wire.VALUE_LEN.pack(length))
@@ -64,11 +82,17 @@ class BlockStoreClient:
     def get(self, items: Sequence[tuple[str, int, int]]) -> list[bool]:
         if not items:
             return []
+        self._check_spans(items)
         port = self._port()
         if port == 0:
             return self._get_over_grpc(items)
         found = []
         with self._connection("get") as sock:
+            if sock in self._attached:
+                sock.sendall(wire.request_header(wire.OP_GET_SHARED, [key for key, _, _ in items])
+                             + wire.encode_spans(items))
+                wire.read_status(sock)
+                return [b == 1 for b in wire.recv_exactly(sock, len(items))]
             sock.sendall(wire.request_header(wire.OP_GET, [key for key, _, _ in items]))
             wire.read_status(sock)
             for _, offset, length in items:
@@ -79,6 +103,12 @@ class BlockStoreClient:
                     wire.recv_exactly(sock, size)  # another layout's block: read past it
                 found.append(size == length)
         return found
+
+    def _check_spans(self, items: Sequence[tuple[str, int, int]]) -> None:
+        size = len(self.arena)
+        for key, offset, length in items:
+            if offset < 0 or length < 0 or offset + length > size:
+                raise ValueError(f"{key}: bytes {offset}..{offset + length} are outside the {size}-byte arena")
 
     def _get_over_grpc(self, items: Sequence[tuple[str, int, int]]) -> list[bool]:
         values = self.control.get([key for key, _, _ in items])
@@ -93,7 +123,7 @@ class BlockStoreClient:
     def close(self) -> None:
         while True:
             try:
-                self._idle.get_nowait().close()
+                self._forget(self._idle.get_nowait())
             except queue.Empty:
                 break
         self.control.close()
@@ -113,7 +143,27 @@ class BlockStoreClient:
         tune(sock)
         if self._ssl is not None:
             sock = self._ssl.wrap_socket(sock, server_hostname=self._host)
+        if self.shared is not None:
+            self._attach(sock)
         return sock
+
+    def _attach(self, sock: socket.socket) -> None:
+        """Offer the store our shared arena; it maps it or says why not."""
+        name, token = self.shared
+        sock.sendall(wire.request_header(wire.OP_ATTACH, [name]) + wire.VALUE_LEN.pack(len(self.arena)) + token)
+        try:
+            wire.read_status(sock)
+        except wire.RemoteError as exc:
+            if not self._said_unshared:
+                self._said_unshared = True
+                log.info("KV store at %s cannot map this engine's arena (%s): values go over its data channel",
+                         self.target, exc)
+            return
+        self._attached.add(sock)
+
+    def _forget(self, sock: socket.socket) -> None:
+        self._attached.discard(sock)
+        sock.close()
 
 
 class _Borrowed:
@@ -136,7 +186,7 @@ class _Borrowed:
             except queue.Empty:
                 self.sock = client._connect()
             self.sock.settimeout(client.timeout_s)
-        except (OSError, ssl.SSLError) as exc:
+        except (OSError, ssl.SSLError, wire.ProtocolError) as exc:
             client._slots.release()
             client._data_port = None
             raise KVStoreUnavailable(f"KV store at {client.target}: cannot open its data channel: {exc}") from exc
@@ -149,7 +199,7 @@ class _Borrowed:
             if kind is None:
                 client._idle.put(self.sock)
                 return False
-            self.sock.close()
+            client._forget(self.sock)
             client._data_port = None
             if isinstance(exc, wire.RemoteError):
                 raise KVStoreUnavailable(f"KV store at {client.target}: {self.op} failed: {exc}") from exc

@@ -5,6 +5,10 @@ socket and the backend, answers, and reads the next. Values are received
 into buffers of their own size (one copy, out of the kernel) and kept as
 they are by the memory backend; they are sent from the backend's own bytes.
 Socket calls wait without the GIL, so connections proceed side by side.
+
+A connection that attached its client's shared-memory arena (ATTACH) moves
+values by copying them between the arena and those same buffers instead,
+also without the GIL (shared_arena.copy).
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from typing import Optional
 
 from tandem.services.kvstore import data_wire as wire
 from tandem.services.kvstore.backends import Backend, BackendUnavailable
+from tandem.services.kvstore.shared_arena import TOKEN_BYTES, AttachedArena, copy
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +39,7 @@ class _Handler(socketserver.BaseRequestHandler):
         # Receive buffers of this connection, for backends that do not keep
         # them (Redis has its own copy once put returns): size -> free buffers.
         self._spare: dict[int, list[bytearray]] = {}
+        self._arena: Optional[AttachedArena] = None  # the client's, once it attached it
         tune(self.request)
         if self.server.ssl_context is not None:
             self.request = self.server.ssl_context.wrap_socket(self.request, server_side=True)
@@ -51,17 +57,91 @@ class _Handler(socketserver.BaseRequestHandler):
                 return
             try:
                 if op == wire.OP_PUT:
-                    self._put(sock, keys)
+                    self._put(sock, keys, self._receiver(sock))
                 elif op == wire.OP_GET:
                     self._get(sock, keys)
-                else:
+                elif op == wire.OP_EXISTS:
                     self._exists(sock, keys)
+                elif op == wire.OP_ATTACH:
+                    self._attach(sock, keys)
+                elif op == wire.OP_PUT_SHARED:
+                    self._put(sock, keys, self._copier(wire.read_spans(sock, len(keys))), shared=True)
+                else:
+                    self._get_shared(sock, keys, wire.read_spans(sock, len(keys)))
             except (OSError, ssl.SSLError, wire.ProtocolError) as exc:
                 log.info("data channel: connection from %s ended during %s: %s", self.client_address,
                          wire.OPS[op], exc)
                 return
 
-    def _put(self, sock: socket.socket, keys: list[str]) -> None:
+    def finish(self) -> None:
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+
+    # ---- values in the client's shared memory ----------------------------------------
+    def _attach(self, sock: socket.socket, keys: list[str]) -> None:
+        (size,) = wire.recv_struct(sock, wire.VALUE_LEN)
+        token = bytes(wire.recv_exactly(sock, TOKEN_BYTES))
+        if len(keys) != 1:
+            raise wire.ProtocolError(f"ATTACH names one segment, not {len(keys)}")
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+        try:
+            self._arena = AttachedArena(keys[0], token, size)
+        except ValueError as exc:  # another host or pod: the client uses the socket
+            wire.send_failed(sock, str(exc))
+            return
+        sock.sendall(wire.OK)
+
+    def _spans(self, spans: list[tuple[int, int]]) -> list[memoryview]:
+        if self._arena is None:
+            raise wire.ProtocolError("a shared-memory request on a connection that attached no arena")
+        try:
+            return [self._arena.span(offset, length) for offset, length in spans]
+        except ValueError as exc:
+            raise wire.ProtocolError(str(exc)) from None
+
+    def _copier(self, spans: list[tuple[int, int]]):
+        """PUT_SHARED's values: copied out of the client's arena."""
+        views = self._spans(spans)
+        return lambda i: (len(views[i]), lambda value: copy(memoryview(value), views[i]))
+
+    def _get_shared(self, sock: socket.socket, keys: list[str], spans: list[tuple[int, int]]) -> None:
+        views = self._spans(spans)
+        backend, metrics = self.server.backend, self.server.metrics
+        copied = bytearray(len(keys))
+        hits = misses = nbytes = 0
+        try:
+            for start in range(0, len(keys), GET_BATCH_KEYS):
+                values = backend.get(keys[start:start + GET_BATCH_KEYS])
+                for i, value in enumerate(values, start):
+                    if value is None:
+                        misses += 1
+                        continue
+                    hits += 1
+                    if len(value) == len(views[i]):  # another length: another model's block
+                        copy(views[i], memoryview(value))
+                        copied[i] = 1
+                        nbytes += len(value)
+        except BackendUnavailable as exc:
+            wire.send_failed(sock, str(exc))
+            return
+        if metrics is not None:
+            metrics.on_get(hits, misses, nbytes)
+            metrics.on_shared(nbytes)
+        sock.sendall(wire.OK + bytes(copied))
+
+    def _receiver(self, sock: socket.socket):
+        """PUT's values: each a u64 length, then its bytes, read off the socket."""
+        def value(_i: int):
+            (length,) = wire.recv_struct(sock, wire.VALUE_LEN)
+            return length, lambda buffer: wire.recv_exactly_into(sock, memoryview(buffer))
+        return value
+
+    def _put(self, sock: socket.socket, keys: list[str], values, shared: bool = False) -> None:
+        """Store the request's values; values(i) is (length, fill): fill(buffer)
+        writes value i into a buffer of that length (shared: from the client's arena)."""
         backend, metrics = self.server.backend, self.server.metrics
         stored = refused = 0
         failure: Optional[str] = None
@@ -82,17 +162,20 @@ class _Handler(socketserver.BaseRequestHandler):
                     stored += ok
                     refused += len(results) - ok
                     if metrics is not None:
-                        metrics.on_put(ok, sum(len(v) for (_, v), r in zip(batch, results) if r))
+                        nbytes = sum(len(v) for (_, v), r in zip(batch, results) if r)
+                        metrics.on_put(ok, nbytes)
+                        if shared:
+                            metrics.on_shared(nbytes)
             if not keeps:
                 for _, value in batch:
                     self._spare.setdefault(len(value), []).append(value)
             batch, batch_bytes = [], 0
 
-        for key in keys:
-            (length,) = wire.recv_struct(sock, wire.VALUE_LEN)
+        for i, key in enumerate(keys):
+            length, fill = values(i)
             # Read even after a failure: the stream stays in step.
             value = self._buffer(length, keeps)
-            wire.recv_exactly_into(sock, memoryview(value))
+            fill(value)
             if failure is None:
                 batch.append((key, value))
                 batch_bytes += length

@@ -13,6 +13,16 @@ A reply starts with a status byte. OK (0) is followed by:
   PUT    -> u32 stored, u32 refused (larger than the store's capacity);
   GET    -> per key: i64 length (-1: missing), then that many bytes;
   EXISTS -> one byte per key (1 present, 0 missing).
+
+Where the store can map the client's shared-memory arena (shared_arena.py),
+values skip the socket:
+  ATTACH      keys: [the segment's name], then a u64 arena size and the
+              token -> OK (nothing more), or FAILED: use PUT and GET;
+  PUT_SHARED  after the keys, per key a SPAN (u64 offset, u64 length) in the
+              arena -> as PUT; the store copies the values out of the arena;
+  GET_SHARED  after the keys, per key a SPAN -> one byte per key (1: copied
+              into its span, 0: missing or of another length).
+A connection's attachment lasts as long as the connection.
 FAILED (1), an error the store can name (its backend unreachable), is
 followed by a u32 length and a UTF-8 message; the connection stays usable.
 """
@@ -23,8 +33,9 @@ import struct
 from typing import Sequence
 
 MAGIC = b"TKVD"
-OP_PUT, OP_GET, OP_EXISTS = 1, 2, 3
-OPS = {OP_PUT: "put", OP_GET: "get", OP_EXISTS: "exists"}
+OP_PUT, OP_GET, OP_EXISTS, OP_ATTACH, OP_PUT_SHARED, OP_GET_SHARED = 1, 2, 3, 4, 5, 6
+OPS = {OP_PUT: "put", OP_GET: "get", OP_EXISTS: "exists", OP_ATTACH: "attach",
+       OP_PUT_SHARED: "put (shared memory)", OP_GET_SHARED: "get (shared memory)"}
 REQUEST = struct.Struct("<4sBI")  # magic, op, number of keys
 OK, FAILED = b"\x00", b"\x01"
 MESSAGE_LEN = struct.Struct("<I")
@@ -32,6 +43,7 @@ KEY_LEN = struct.Struct("<H")
 VALUE_LEN = struct.Struct("<Q")
 FOUND_LEN = struct.Struct("<q")
 PUT_REPLY = struct.Struct("<II")
+SPAN = struct.Struct("<QQ")  # offset, length in the client's arena
 MAX_KEYS = 1 << 16  # per call: a request larger than this is refused as malformed
 MAX_KEY_BYTES = 1024
 
@@ -90,6 +102,15 @@ def read_request(sock: socket.socket) -> tuple[int, list[str]]:
             raise ProtocolError(f"a key of {length} bytes; keys are 1 to {MAX_KEY_BYTES}")
         keys.append(recv_exactly(sock, length).decode())
     return op, keys
+
+
+def encode_spans(items: Sequence[tuple[str, int, int]]) -> bytes:
+    return b"".join(SPAN.pack(offset, length) for _, offset, length in items)
+
+
+def read_spans(sock: socket.socket, count: int) -> list[tuple[int, int]]:
+    raw = recv_exactly(sock, SPAN.size * count)
+    return [SPAN.unpack_from(raw, i * SPAN.size) for i in range(count)]
 
 
 def send_failed(sock: socket.socket, message: str) -> None:

@@ -8,6 +8,10 @@ spinning beside it, a 256 MiB transfer fell to a fraction of its idle speed
 with a GIL of its own. The engine's side only sends each call's keys and
 offsets down a pipe and waits for the answer, without the GIL.
 
+When the KV store can map that same arena (on the same host: see
+shared_arena.py), the mover only sends offsets, and the store copies the
+values in and out of the arena.
+
 Shared memory needs room in /dev/shm (containers give 64 MiB unless told
 otherwise; the Helm chart mounts more): without it the client says so once
 and moves bytes in this process instead, as BlockStoreClient does.
@@ -17,65 +21,67 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
-import os
-import secrets
 import signal
 import socket
 import subprocess
 import sys
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+import time
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
-from multiprocessing.shared_memory import SharedMemory
 from typing import Any, Optional, Sequence
 
 from tandem.services.common.grpc_server import TLSConfig
 from tandem.services.kvstore.block_client import BlockStoreClient
 from tandem.services.kvstore.client import KVStoreUnavailable
+from tandem.services.kvstore.shared_arena import AttachedArena, SharedArena
 
 log = logging.getLogger(__name__)
 
-SEGMENT_PREFIX = "tandem-kvarena-"
 START_TIMEOUT_S = 60.0
+# The switch interval engine processes that use a mover run with (Python's
+# default is 5 ms): each call's answer wakes a thread that must then take the
+# GIL from the engine's thread, and waits up to this long for it. At 5 ms a
+# load's few wake-ups cost more than the load's bytes take to move (a 256 MiB
+# load lasts 31-57 ms); at 1 ms they cost little, and the engine's thread is
+# asked to yield at most 1000 times a second, each a few microseconds.
+ENGINE_SWITCH_INTERVAL_S = 0.001
 
 
 class MovedBlockStoreClient:
     """engine.connector.base.KVStore over a mover process (see the module's doc)."""
 
     def __init__(self, target: str, timeout_s: float = 5.0, tls: Optional[TLSConfig] = None,
-                 connections: int = 4) -> None:
+                 connections: int = 4, store_shared_memory: bool = True) -> None:
+        """store_shared_memory=False keeps values on the socket even where the
+        store could map the arena (to measure the socket path)."""
         self.target = target
         self.timeout_s = timeout_s
         self._settings = (target, timeout_s, tls, connections)
-        self._segment: Optional[SharedMemory] = None
+        self._store_shared_memory = store_shared_memory
+        self._segment: Optional[SharedArena] = None
         self._local: Optional[BlockStoreClient] = None  # without room in /dev/shm
         self._process: Optional[subprocess.Popen] = None
         self._conn: Optional[Connection] = None
         self._send_lock = threading.Lock()
-        self._calls: dict[int, Future] = {}
+        self._calls: dict[int, _Call] = {}  # unanswered calls, under _replies
+        self._replies = threading.Condition()
+        self._reading = False  # a caller is reading replies (see _wait)
         self._ids = itertools.count()
-        self._reader: Optional[threading.Thread] = None
         self.arena: Optional[memoryview] = None
 
     # ---- KVStore -----------------------------------------------------------
     def open_arena(self, nbytes: int) -> memoryview:
         try:
-            self._segment = SharedMemory(name=f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}",
-                                         create=True, size=nbytes)
-            _check_room(nbytes)
+            self._segment = SharedArena(nbytes)
         except (OSError, ValueError) as exc:
-            if self._segment is not None:
-                self._segment.close()
-                self._segment.unlink()
-                self._segment = None
             log.warning("no shared memory for a %.0f MiB KV staging arena (%s): KV bytes move in the "
                         "engine process instead, slower while it computes; give /dev/shm more room",
                         nbytes / 2**20, exc)
             self._local = BlockStoreClient(*self._settings)
             self.arena = self._local.open_arena(nbytes)
             return self.arena
-        self.arena = self._segment.buf
+        self.arena = self._segment.view
         self._start()
         return self.arena
 
@@ -106,7 +112,6 @@ class MovedBlockStoreClient:
         if self._segment is not None:
             self.arena = None
             self._segment.close()
-            self._segment.unlink()
 
     # ---- the mover ---------------------------------------------------------
     def _start(self) -> None:
@@ -115,8 +120,11 @@ class MovedBlockStoreClient:
         ours, theirs = socket.socketpair()
         target, timeout_s, tls, connections = self._settings
         argv = [sys.executable, "-m", "tandem.services.kvstore.mover", "--fd", str(theirs.fileno()),
-                "--segment", self._segment.name, "--target", target, "--timeout", str(timeout_s),
+                "--segment", self._segment.name, "--token", self._segment.token.hex(),
+                "--size", str(self._segment.size), "--target", target, "--timeout", str(timeout_s),
                 "--connections", str(connections)]
+        if not self._store_shared_memory:
+            argv.append("--no-store-shared-memory")
         if tls is not None:
             for flag, path in (("--tls-cert", tls.cert_file), ("--tls-key", tls.key_file), ("--tls-ca", tls.ca_file)):
                 if path:
@@ -127,8 +135,6 @@ class MovedBlockStoreClient:
         if not self._conn.poll(START_TIMEOUT_S) or self._conn.recv() != "ready":
             self._process.kill()
             raise RuntimeError("the KV mover process did not start")
-        self._reader = threading.Thread(target=self._read_replies, name="kv-mover-replies", daemon=True)
-        self._reader.start()
 
     def _call(self, op: str, args: Any) -> Any:
         if self._local is not None:
@@ -136,57 +142,89 @@ class MovedBlockStoreClient:
         if self._process is None or self._process.poll() is not None:
             raise KVStoreUnavailable(f"KV store at {self.target}: the KV mover process has stopped")
         call_id = next(self._ids)
-        future: Future = Future()
-        self._calls[call_id] = future
+        call = _Call()
+        with self._replies:
+            self._calls[call_id] = call
         try:
             with self._send_lock:
                 self._conn.send((call_id, op, args))
         except OSError as exc:
-            self._calls.pop(call_id, None)
+            with self._replies:
+                self._calls.pop(call_id, None)
             raise KVStoreUnavailable(f"KV store at {self.target}: the KV mover is gone: {exc}") from exc
         # The mover gives up on the store after timeout_s; this waits a little longer for its answer.
+        if not self._wait(call, time.monotonic() + self.timeout_s * 2 + 5):
+            with self._replies:
+                self._calls.pop(call_id, None)
+            raise KVStoreUnavailable(f"KV store at {self.target}: the KV mover did not answer {op}")
+        if not call.ok:
+            raise KVStoreUnavailable(call.value)
+        return call.value
+
+    def _wait(self, call: "_Call", deadline: float) -> bool:
+        """Until `call` is answered (False: the deadline passed first).
+
+        The replies are read by whichever waiting caller finds nobody reading,
+        not by a thread of their own: beside a busy engine thread each wake-up
+        waits for the GIL (up to the 5 ms switch interval), and a caller that
+        reads its own reply wakes once, where a reader thread and then the
+        caller would wake twice."""
+        with self._replies:
+            while not call.done:
+                if not self._reading:
+                    self._reading = True
+                    break
+                if not self._replies.wait(deadline - time.monotonic()) and time.monotonic() >= deadline:
+                    return False
+            else:
+                return True
         try:
-            ok, value = future.result(timeout=self.timeout_s * 2 + 5)
-        except FutureTimeout:
-            self._calls.pop(call_id, None)
-            raise KVStoreUnavailable(f"KV store at {self.target}: the KV mover did not answer {op}") from None
-        if not ok:
-            raise KVStoreUnavailable(value)
-        return value
+            while not call.done:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._conn.poll(remaining):
+                    return False
+                try:
+                    call_id, ok, value = self._conn.recv()
+                except (EOFError, OSError):
+                    self._fail_all(f"KV store at {self.target}: the KV mover process stopped")
+                    return True
+                with self._replies:
+                    answered = self._calls.pop(call_id, None)
+                    if answered is not None:
+                        answered.done, answered.ok, answered.value = True, ok, value
+                        if answered is not call:
+                            self._replies.notify_all()
+            return True
+        finally:
+            with self._replies:
+                self._reading = False
+                self._replies.notify_all()  # another caller reads from here on
 
-    def _read_replies(self) -> None:
-        while True:
-            try:
-                call_id, ok, value = self._conn.recv()
-            except (EOFError, OSError):
-                break
-            future = self._calls.pop(call_id, None)
-            if future is not None:
-                future.set_result((ok, value))
-        for future in list(self._calls.values()):  # the mover died: every waiting call fails now
-            future.set_result((False, f"KV store at {self.target}: the KV mover process stopped"))
-        self._calls.clear()
-
-
-def _check_room(nbytes: int) -> None:
-    # Pages of a segment are only taken when written: a segment larger than
-    # /dev/shm fails later with SIGBUS, in the middle of a transfer.
-    st = os.statvfs("/dev/shm")
-    free = st.f_bavail * st.f_frsize
-    if nbytes > free:
-        raise ValueError(f"/dev/shm has {free / 2**20:.0f} MiB free")
+    def _fail_all(self, message: str) -> None:
+        with self._replies:
+            for waiting in self._calls.values():
+                waiting.done, waiting.ok, waiting.value = True, False, message
+            self._calls.clear()
+            self._replies.notify_all()
 
 
-def _mover_main(settings: tuple, segment_name: str, conn: Connection) -> None:
+class _Call:
+    """One call's answer: (ok, value) once done."""
+
+    __slots__ = ("done", "ok", "value")
+
+    def __init__(self) -> None:
+        self.done, self.ok, self.value = False, False, None
+
+
+def _mover_main(settings: tuple, segment: AttachedArena, conn: Connection, store_shared: bool) -> None:
     """The mover process: calls from the pipe, run a few at a time, answered in any order."""
-    from multiprocessing import resource_tracker
-
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the group; the engine stops us
-    segment = SharedMemory(name=segment_name)
-    resource_tracker.unregister(segment._name, "shared_memory")  # noqa: SLF001 (the engine unlinks it)
     client = BlockStoreClient(*settings)
-    client.arena = segment.buf
+    client.arena = segment.view
+    if store_shared:
+        client.shared = (segment.name, segment.token)
     send_lock = threading.Lock()
 
     def run(call_id: int, op: str, args: Any) -> None:
@@ -229,6 +267,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--fd", type=int, required=True, help="the socket to the engine")
     parser.add_argument("--segment", required=True, help="the shared-memory arena")
+    parser.add_argument("--token", required=True, help="the token after the arena, in hex")
+    parser.add_argument("--size", type=int, required=True, help="the arena's bytes")
+    parser.add_argument("--no-store-shared-memory", action="store_true",
+                        help="never offer the arena to the store: values go over the socket")
     parser.add_argument("--target", required=True, help="the KV store's gRPC address")
     parser.add_argument("--timeout", type=float, required=True)
     parser.add_argument("--connections", type=int, required=True)
@@ -238,7 +280,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_ca) if (args.tls_cert or args.tls_ca) else None
-    _mover_main((args.target, args.timeout, tls, args.connections), args.segment, Connection(args.fd))
+    segment = AttachedArena(args.segment, bytes.fromhex(args.token), args.size)
+    _mover_main((args.target, args.timeout, tls, args.connections), segment, Connection(args.fd),
+                not args.no_store_shared_memory)
 
 
 if __name__ == "__main__":

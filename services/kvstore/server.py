@@ -72,6 +72,7 @@ class StoreMetrics:
 
         self._m = metrics
         self._last_evictions: Optional[int] = None
+        self._labelled("KVSTORE_SHARED_BYTES")  # shown as 0 until an engine on this host uses it
 
     def _labelled(self, name: str):
         return getattr(self._m, name).labels(role=ROLE)
@@ -84,6 +85,9 @@ class StoreMetrics:
         self._labelled("KVSTORE_HITS").inc(hits)
         self._labelled("KVSTORE_MISSES").inc(misses)
         self._labelled("KVSTORE_BYTES_OUT").inc(nbytes)
+
+    def on_shared(self, nbytes: int) -> None:
+        self._labelled("KVSTORE_SHARED_BYTES").inc(nbytes)
 
     def on_stats(self, stats: BackendStats) -> None:
         self._labelled("KVSTORE_BYTES").set(stats.bytes)

@@ -97,10 +97,10 @@ def test_without_a_data_channel_the_client_uses_grpc():
     proc = start_store("--backend", "memory", "--data-port", "-1")
     try:
         assert KVStoreClient(proc.target).stats().data_port == 0
-        client = arena_client(proc.target, 2)
+        client = arena_client(proc.target, 3)
         assert client.put(items(["g"])) == 1
         assert client.get(items(["g", "missing"], first_slot=1)) == [True, False]
-        assert client.arena[BLOCK:] == client.arena[:BLOCK]
+        assert client.arena[BLOCK:2 * BLOCK] == client.arena[:BLOCK]
     finally:
         proc.stop()
 
@@ -134,7 +134,7 @@ def test_a_mover_process_moves_the_bytes_through_shared_memory(store):
 
     client = MovedBlockStoreClient(store.target, timeout_s=10.0)
     try:
-        arena = client.open_arena(2 * BLOCK)
+        arena = client.open_arena(3 * BLOCK)
         arena[:BLOCK] = os.urandom(BLOCK)
         assert client._local is None and client._process.poll() is None  # shared memory, a child moves bytes
         assert client.put(items(["m"])) == 1 and client.exists(["m", "x"]) == [True, False]
@@ -149,12 +149,12 @@ def test_a_mover_process_moves_the_bytes_through_shared_memory(store):
 
 
 def test_without_room_in_dev_shm_the_bytes_move_in_this_process(store, monkeypatch):
-    from tandem.services.kvstore import mover
+    from tandem.services.kvstore import mover, shared_arena
 
     def no_room(nbytes):
         raise ValueError("/dev/shm has 0 MiB free")
 
-    monkeypatch.setattr(mover, "_check_room", no_room)
+    monkeypatch.setattr(shared_arena, "_check_room", no_room)
     client = mover.MovedBlockStoreClient(store.target, timeout_s=10.0)
     try:
         arena = client.open_arena(2 * BLOCK)

@@ -12,13 +12,14 @@ def test_bench_kv_reports_each_path_against_the_ceilings(tmp_path):
                    check=True, capture_output=True, timeout=300)
     result = json.loads(out.read_text())
     paths = {(r["path"], r["what"], r["busy"]) for r in result["rows"]}
-    for path, what in (("tcp loopback", "recv"), ("memcpy", "copy"), ("nixl (UCX)", "read"), ("store memory", "save"),
-                       ("store memory", "load"), ("store memory (in-process)", "save"),
-                       ("store memory (in-process)", "load"), ("store memory (grpc)", "save"),
-                       ("store memory (grpc)", "load")):
+    stores = [f"store memory{variant}" for variant in (" (shared memory)", "", " (in-process)", " (grpc)")]
+    for path, what in [("tcp loopback", "recv"), ("memcpy", "copy"), ("nixl (UCX)", "read"),
+                       *((store, what) for store in stores for what in ("save", "load"))]:
         assert {(path, what, 0.0), (path, what, 0.5)} <= paths
     tcp = next(r["GBps"] for r in result["rows"] if r["path"] == "tcp loopback" and r["busy"] == 0)
+    memcpy = next(r["GBps"] for r in result["rows"] if r["path"] == "memcpy" and r["busy"] == 0)
     for r in result["rows"]:
         assert r["GBps"] > 0 and abs(r["of_tcp"] - r["GBps"] / tcp) < 1e-9
+        assert abs(r["of_memcpy"] - r["GBps"] / memcpy) < 1e-9
         if r["busy"] == 0:
             assert r["of_idle"] == 1.0
