@@ -68,6 +68,8 @@ class EngineStats:
     kv_save_seconds: float = 0.0
     kv_load_seconds: float = 0.0
     recompute_fallbacks: int = 0
+    kv_write_wait_seconds: float = 0.0  # decode: waiting for a prefill's store writes to land
+    kv_write_wait_timeouts: int = 0
     num_held_blocks: int = 0  # direct transfer: blocks kept for a decode to copy
 
 
@@ -282,6 +284,8 @@ class LLMEngine:
             # A failed lookup (store down) and a failed load both mean the prefix
             # is computed here instead of loaded: both are recompute fallbacks.
             recompute_fallbacks=(cs.load_failures + cs.lookup_failures) if cs else 0,
+            kv_write_wait_seconds=cs.write_wait_seconds if cs else 0.0,
+            kv_write_wait_timeouts=cs.write_wait_timeouts if cs else 0,
             num_held_blocks=sched.num_held_blocks)
 
     def shutdown(self) -> None:

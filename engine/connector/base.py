@@ -29,7 +29,8 @@ Worker side:
   start_load(meta) -> request ids whose load failed (they recompute);
   wait_for_layer_load(layer) -> called before layer `layer` reads its cache;
   save_layer(layer, meta) -> called as soon as layer `layer` wrote its K/V;
-  wait_for_save() -> every save of this step is done (or failed and counted).
+  wait_for_save() -> the step's saves are far enough along for the step to
+      end (staged, for a store: its writes finish in the background).
 Prefill engines save; decode engines load; "both" does both.
 
 Invariant the scheduler keeps: when a scheduler-side method is called,
@@ -127,6 +128,8 @@ class ConnectorStats:
     load_failures: int = 0  # requests that fell back to recompute
     save_failures: int = 0
     lookup_failures: int = 0  # store lookups that failed: the prefix is computed locally
+    write_wait_seconds: float = 0.0  # waiting for blocks a prefill was still writing
+    write_wait_timeouts: int = 0  # ... that had not all landed in time
 
 
 class KVConnector(ABC):

@@ -11,6 +11,13 @@ Blocks pass through a StagingArena in the store's arena: a step's saves are
 written into their slots layer by layer as the model runs (after_layer) and
 put once the last layer is in; a load is read into slots on a background
 thread (prefetch) or inside the step, then copied into the cache in one go.
+
+A step does not wait for its puts: the prefill answers once its blocks are
+staged, and says in its output (kv_transfer_params[WRITE_KEY]) which blocks
+it is still writing. The decode's fetch waits until the store has those
+(WRITE_WAIT_S at most, and not at all once the store cannot be asked), then
+looks the prompt up; a write that never lands costs a recompute, and a value
+is visible only once whole, so a block is never read half-written.
 """
 from __future__ import annotations
 
@@ -18,7 +25,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -33,6 +40,13 @@ STAGING_SLOTS = 1024
 STAGING_MAX_BYTES = 1 << 30
 # How long a step's saves wait for slots that earlier saves still use.
 SAVE_SLOT_WAIT_S = 5.0
+# The key, in a prefill's kv_transfer_params and a decode's, of the blocks the
+# prefill was still writing when it answered: (first block index, count).
+WRITE_KEY = "kv_store_write"
+# How long a decode's fetch waits for those writes to land before it looks up
+# what is there (a 2k-token Llama-3-8B prompt, 272 MiB, takes 30-300 ms to write).
+WRITE_WAIT_S = 2.0
+WRITE_POLL_S = (0.001, 0.008)  # first and longest pause between lookups while waiting
 
 
 def block_key(block_hash: bytes) -> str:
@@ -111,8 +125,9 @@ class KVStoreConnector(KVConnector):
         # Loads of requests admitted by the schedule() under way: build_meta moves them into the meta.
         self._admitted: list[StoreLoad] = []
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-save")
-        self._saves: list[Future] = []
-        self._save_started = 0.0
+        self._saves: list[Future] = []  # puts not yet counted in stats
+        # Prompt blocks each unfinished request had staged for the store: [first, last).
+        self._written: dict[str, tuple[int, int]] = {}
 
     # ---- scheduler side ------------------------------------------------
     def prefetch(self, request, num_local_hit_tokens: int) -> None:
@@ -124,8 +139,20 @@ class KVStoreConnector(KVConnector):
         first = num_local_hit_tokens // self.block_size
         last = (request.num_tokens - 1) // self.block_size  # leave one token to compute
         if last > first:
+            landing = self._landing(request, first, last)
             self._prefetches[request.request_id] = self._loader.submit(
-                self._fetch, first, list(request.block_hashes[first:last]))
+                self._fetch, first, list(request.block_hashes[first:last]), landing)
+
+    @staticmethod
+    def _landing(request, first: int, last: int) -> list[bytes]:
+        """Hashes of this request's blocks in [first, last) whose write its
+        prefill had not seen finish when it answered."""
+        write = request.kv_transfer_params.get(WRITE_KEY)
+        if not write:
+            return []
+        start, count = write
+        lo, hi = max(first, start), min(last, start + count)
+        return list(request.block_hashes[lo:hi]) if hi > lo else []
 
     def is_ready(self, request) -> bool:
         fut = self._prefetches.get(request.request_id)
@@ -140,9 +167,12 @@ class KVStoreConnector(KVConnector):
             n += 1
         return n
 
-    def _fetch(self, first: int, candidates: list[bytes]) -> Prefetched:
-        """Look up the leading run of `candidates` the store holds, then load it."""
+    def _fetch(self, first: int, candidates: list[bytes], landing: Sequence[bytes] = ()) -> Prefetched:
+        """Look up the leading run of `candidates` the store holds, then load it;
+        first wait for the `landing` blocks, which a prefill is still writing."""
         try:
+            if landing:
+                self._wait_for_writes([block_key(h) for h in landing])
             n = self._num_leading_present(candidates)
         except Exception as exc:
             log.warning("KV store lookup failed, computing locally: %s", exc)
@@ -152,6 +182,25 @@ class KVStoreConnector(KVConnector):
         # Prefetches leave a quarter of the arena to the saves: requests waiting
         # for admission must not take every slot a step's saves need.
         return self._load(first, candidates[:n], keep_free=self.arena.num_slots // 4)
+
+    def _wait_for_writes(self, keys: list[str]) -> None:
+        """Until the store holds every key, for WRITE_WAIT_S at most (then the
+        lookup takes what landed). Raises when the store cannot be asked."""
+        started = time.monotonic()
+        pause = WRITE_POLL_S[0]
+        while True:
+            missing = [k for k, present in zip(keys, self.client.exists(keys)) if not present]
+            if not missing:
+                break
+            if time.monotonic() - started + pause > WRITE_WAIT_S:
+                log.warning("KV store: %d of %d blocks a prefill was writing had not landed after %.1fs; "
+                            "computing what is missing", len(missing), len(keys), WRITE_WAIT_S)
+                self.stats.write_wait_timeouts += 1
+                break
+            time.sleep(pause)
+            pause = min(pause * 2, WRITE_POLL_S[1])
+            keys = missing
+        self.stats.write_wait_seconds += time.monotonic() - started
 
     def _load(self, first: int, hashes: list[bytes], keep_free: int = 0) -> Prefetched:
         """These blocks from the store into arena slots (every layer of each)."""
@@ -257,11 +306,16 @@ class KVStoreConnector(KVConnector):
             if last > first:
                 meta.saves.append(StoreSave(request_id, request.block_ids[first:last],
                                             request.block_hashes[first:last]))
+                written = self._written.get(request_id)
+                self._written[request_id] = (first, last) if written is None else (written[0], last)
         return meta
 
     def request_finished(self, request, block_ids) -> tuple[int, dict]:
         self._drop_prefetch(request.request_id)
-        return 0, {}
+        written = self._written.pop(request.request_id, None)
+        if written is None:
+            return 0, {}
+        return 0, {WRITE_KEY: (written[0], written[1] - written[0])}
 
     # ---- worker side ---------------------------------------------------
     def start_load(self, meta: StoreMeta) -> set[str]:
@@ -301,6 +355,8 @@ class KVStoreConnector(KVConnector):
                 # The decode computes what is not stored: slower, never wrong.
                 log.warning("KV staging arena has no room for %d blocks: this step's saves are dropped", n)
                 self.stats.save_failures += 1
+                for save in meta.saves:  # nothing of theirs is landing: a decode must not wait for it
+                    self._written.pop(save.request_id, None)
                 return
             meta.save_slot, meta.num_save_blocks = slot, n
             meta.save_block_ids = torch.tensor([b for s in meta.saves for b in s.block_ids],
@@ -312,27 +368,27 @@ class KVStoreConnector(KVConnector):
         staged.copy_(self.kv_cache[layer][:, meta.save_block_ids].transpose(0, 1))  # [n, 2, block_size, heads, dim]
         if layer == self.layout.num_layers - 1:
             keys = [block_key(h) for s in meta.saves for h in s.block_hashes]
-            self._saves.append(self._saver.submit(self._put, keys, meta.save_slot))
+            self._saves.append(self._saver.submit(self._put, keys, meta.save_slot, self._save_started))
 
-    def _put(self, keys: list[str], slot: int) -> int:
-        """Store the staged blocks; returns how many were stored. Their slots go back either way."""
+    def _put(self, keys: list[str], slot: int, staged_at: float) -> None:
+        """Store the staged blocks (on the saver thread, the only writer of the
+        save counters). Their slots go back either way."""
         try:
-            return self.client.put(self.arena.items(keys, slot))
+            stored = self.client.put(self.arena.items(keys, slot))
+        except Exception as exc:  # the decode side will recompute; never fail the request
+            self.stats.save_failures += 1
+            log.warning("KV save failed: %s", exc)
+            return
         finally:
             self.arena.free(slot, len(keys))
+        self.stats.save_blocks += stored
+        self.stats.save_bytes += stored * self.layout.block_bytes
+        self.stats.save_seconds += time.monotonic() - staged_at  # from the step's first staged layer
 
     def wait_for_save(self) -> None:
-        futures, self._saves = self._saves, []
-        for fut in futures:
-            try:
-                stored = fut.result()
-                self.stats.save_blocks += stored
-                self.stats.save_bytes += stored * self.layout.block_bytes
-            except Exception as exc:  # the decode side will recompute; never fail the request
-                self.stats.save_failures += 1
-                log.warning("KV save failed: %s", exc)
-        if futures:
-            self.stats.save_seconds += time.monotonic() - self._save_started
+        """The step's saves are staged (save_layer copied every layer): the
+        step ends here, and the puts go on in the background."""
+        self._saves = [fut for fut in self._saves if not fut.done()]
 
     def close(self) -> None:
         self._loader.shutdown(wait=True, cancel_futures=True)

@@ -39,6 +39,8 @@ class EngineMetrics:
         "kv_save_blocks": ("KV_TRANSFER_BLOCKS", {"direction": "save"}),
         "kv_load_blocks": ("KV_TRANSFER_BLOCKS", {"direction": "load"}),
         "recompute_fallbacks": ("KV_RECOMPUTE_FALLBACKS", {}),
+        "kv_write_wait_seconds": ("KV_STORE_WRITE_WAIT_SECONDS", {}),
+        "kv_write_wait_timeouts": ("KV_STORE_WRITE_WAIT_TIMEOUTS", {}),
     }
 
     def __init__(self, engine, role: str) -> None:

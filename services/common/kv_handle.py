@@ -1,11 +1,13 @@
 """A prefill's handle to a prompt's blocks between its engine form (in
 RequestOutput.kv_transfer_params: a DirectHandle, or a NixlHandle) and its
-wire form (common.proto KVHandle)."""
+wire form (common.proto KVHandle); and the store path's note of the blocks a
+prefill is still writing (KVStoreWrite)."""
 from __future__ import annotations
 
 from typing import Optional
 
 from tandem.engine.connector import nixl
+from tandem.engine.connector.kvstore import WRITE_KEY
 from tandem.engine.connector.direct import HANDLE_KEY, DirectHandle
 from tandem.engine.connector.shared_cache import SEGMENT_PREFIX, CudaIpcHandle, KVExport
 from tandem.v1 import common_pb2
@@ -74,3 +76,22 @@ def handle_from_proto(msg: common_pb2.KVHandle) -> dict:
     export = KVExport(shape=tuple(msg.shape), dtype=msg.dtype, generations_shm=msg.generations_shm,
                       data_shm=msg.data_shm, cuda=cuda)
     return {HANDLE_KEY: DirectHandle(export, msg.model, list(msg.block_ids), list(msg.generations))}
+
+
+def store_write_to_proto(kv_transfer_params: dict) -> Optional[common_pb2.KVStoreWrite]:
+    write = kv_transfer_params.get(WRITE_KEY)
+    if not write:
+        return None
+    first, count = write
+    return common_pb2.KVStoreWrite(first_block=first, num_blocks=count)
+
+
+def store_write_from_proto(msg: common_pb2.KVStoreWrite, num_prompt_tokens: int) -> dict:
+    """kv_transfer_params for the engine; raises ValueError for blocks the
+    prompt does not have (a decode would wait for keys that never come)."""
+    # Block counts are checked against the smallest block size an engine takes
+    # (the decode's own, which this layer does not know, is at least 1 token).
+    if msg.first_block < 0 or msg.num_blocks < 0 or msg.first_block + msg.num_blocks > num_prompt_tokens:
+        raise ValueError(f"kv_store_write: blocks {msg.first_block}..{msg.first_block + msg.num_blocks} "
+                         f"are not blocks of a {num_prompt_tokens}-token prompt")
+    return {WRITE_KEY: (msg.first_block, msg.num_blocks)} if msg.num_blocks else {}

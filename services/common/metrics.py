@@ -120,6 +120,13 @@ KV_TRANSFER_SECONDS = Histogram(
 KV_RECOMPUTE_FALLBACKS = Counter(
     "tandem:kv_recompute_fallbacks",
     "Requests whose KV could not be loaded and were recomputed locally.", ENGINE)
+KV_STORE_WRITE_WAIT_SECONDS = Counter(
+    "tandem:kv_store_write_wait_seconds",
+    "Seconds decode requests waited for blocks their prefill was still writing to the kvstore.", ENGINE)
+KV_STORE_WRITE_WAIT_TIMEOUTS = Counter(
+    "tandem:kv_store_write_wait_timeouts",
+    "Requests that stopped waiting for their prefill's kvstore writes (what had not landed is recomputed).",
+    ENGINE)
 
 # --- router ------------------------------------------------------------------
 ROUTER_REQUESTS = Counter(

@@ -17,7 +17,7 @@ import grpc
 from tandem.services.common.config import run_main
 from tandem.services.common.engine_metrics import EngineMetrics
 from tandem.services.common.engine_process import add_engine_role_arguments, run_engine_service
-from tandem.services.common.kv_handle import handle_from_proto
+from tandem.services.common.kv_handle import handle_from_proto, store_write_from_proto
 from tandem.services.common.proto_convert import logprob_to_proto, sampling_params_from_proto
 from tandem.services.common.role_servicer import Admission, EngineServicer
 from tandem.v1 import decode_pb2, decode_pb2_grpc
@@ -42,6 +42,12 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
                 kv_transfer_params = handle_from_proto(request.kv_handle)
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if request.HasField("kv_store_write"):
+            try:
+                write = store_write_from_proto(request.kv_store_write, len(request.prompt_token_ids))
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            kv_transfer_params = {**(kv_transfer_params or {}), **write} or None
         await self.refuse_if_dead(context)
         async with self.admission.admit(context):
             async for reply in self._decode(request, params, kv_transfer_params, context):

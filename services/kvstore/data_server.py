@@ -13,10 +13,12 @@ also without the GIL (shared_arena.copy).
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import socketserver
 import ssl
 import threading
+import time
 from typing import Optional
 
 from tandem.services.kvstore import data_wire as wire
@@ -30,6 +32,18 @@ PUT_FLUSH_BYTES = 16 * 1024 * 1024
 # Keys per backend.get inside one GET: bounds the values held at once.
 GET_BATCH_KEYS = 16
 SOCKET_BUFFER_BYTES = 8 * 1024 * 1024
+
+
+def _put_delay_s() -> float:
+    """Fault tests only (TANDEM_FAULT_HOOKS=1): every put waits this long
+    (TANDEM_KVSTORE_PUT_DELAY_S) before storing, so a decode asks for blocks
+    whose write has not landed."""
+    if os.environ.get("TANDEM_FAULT_HOOKS") != "1":
+        return 0.0
+    delay = float(os.environ.get("TANDEM_KVSTORE_PUT_DELAY_S", "0") or 0)
+    if delay > 0:
+        log.warning("TANDEM_KVSTORE_PUT_DELAY_S=%g: every put is delayed (fault tests only)", delay)
+    return delay
 
 
 class _Handler(socketserver.BaseRequestHandler):
@@ -142,6 +156,8 @@ class _Handler(socketserver.BaseRequestHandler):
     def _put(self, sock: socket.socket, keys: list[str], values, shared: bool = False) -> None:
         """Store the request's values; values(i) is (length, fill): fill(buffer)
         writes value i into a buffer of that length (shared: from the client's arena)."""
+        if self.server.put_delay_s:
+            time.sleep(self.server.put_delay_s)
         backend, metrics = self.server.backend, self.server.metrics
         stored = refused = 0
         failure: Optional[str] = None
@@ -238,6 +254,7 @@ class _Server(socketserver.ThreadingTCPServer):
         self.backend = backend
         self.metrics = metrics
         self.ssl_context = ssl_context
+        self.put_delay_s = _put_delay_s()
         super().__init__(address, _Handler)
 
     def handle_error(self, request, client_address) -> None:

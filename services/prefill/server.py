@@ -20,7 +20,7 @@ import grpc
 from tandem.services.common.config import run_main
 from tandem.services.common.engine_metrics import EngineMetrics
 from tandem.services.common.engine_process import add_engine_role_arguments, run_engine_service
-from tandem.services.common.kv_handle import handle_to_proto
+from tandem.services.common.kv_handle import handle_to_proto, store_write_to_proto
 from tandem.services.common.proto_convert import logprob_to_proto, sampling_params_from_proto
 from tandem.services.common.role_servicer import Admission, EngineServicer
 from tandem.v1 import prefill_pb2, prefill_pb2_grpc
@@ -71,6 +71,9 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
         handle = handle_to_proto(last.kv_transfer_params)
         if handle is not None:
             reply.kv_handle.CopyFrom(handle)
+        write = store_write_to_proto(last.kv_transfer_params)
+        if write is not None:  # answered before the store has every block
+            reply.kv_store_write.CopyFrom(write)
         return reply
 
     async def ReleaseKV(self, request: prefill_pb2.ReleaseKVRequest, context) -> prefill_pb2.ReleaseKVResponse:

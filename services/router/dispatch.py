@@ -151,7 +151,8 @@ class Dispatcher:
                 first_logprobs = [reply.logprob]
             cached = reply.num_cached_tokens + reply.num_external_tokens
         kv_handle = reply.kv_handle if held is not None else None
-        async for msg in self._decode(request_id, prompt, first, params, route, kv_handle):
+        store_write = reply.kv_store_write if reply is not None and reply.HasField("kv_store_write") else None
+        async for msg in self._decode(request_id, prompt, first, params, route, kv_handle, store_write):
             if held is not None:
                 held.release()
             # Decode's first message carries the prefill's tokens (their text
@@ -195,11 +196,14 @@ class Dispatcher:
 
     async def _decode(self, request_id: str, prompt: Sequence[int], first: list[int],
                       params: common_pb2.SamplingParams, route: RouteRequest,
-                      kv_handle: Optional[common_pb2.KVHandle] = None) -> AsyncIterator[decode_pb2.DecodeResponse]:
+                      kv_handle: Optional[common_pb2.KVHandle] = None,
+                      store_write: Optional[common_pb2.KVStoreWrite] = None
+                      ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         tried: set[str] = set()
         full = 0
         request = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt,
-                                           first_token_ids=first, params=params, kv_handle=kv_handle)
+                                           first_token_ids=first, params=params, kv_handle=kv_handle,
+                                           kv_store_write=store_write)
         deadline = time.monotonic() + self.decode_queue_wait_s
         while True:
             candidates = self._candidates(self.decode, tried)

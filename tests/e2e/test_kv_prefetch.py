@@ -9,10 +9,12 @@ decode as separate processes."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 from tandem.engine import SamplingParams
+from tandem.engine.connector.kvstore import WRITE_KEY
 from tandem.engine.config import CacheConfig, EngineConfig, ModelConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.request import RequestStatus
@@ -55,13 +57,25 @@ def run_to_end(eng: LLMEngine, request_id: str) -> list[int]:
     return tokens
 
 
+def prefill(eng: LLMEngine, request_id: str) -> tuple[list[int], dict]:
+    """A prefill's first token and what it tells the decode of its KV."""
+    tokens: list[int] = []
+    params: dict = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.request_id == request_id:
+                tokens.extend(out.new_token_ids)
+                params = dict(out.kv_transfer_params)
+    return tokens, params
+
+
 def test_a_fetching_request_waits_outside_the_batch(model_dir, store):
     prompt = [(7 * i) % 400 + 5 for i in range(5 * BLOCK + 3)]
     producer = engine(model_dir, store.target, "producer")
     producer.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=1))
-    first = run_to_end(producer, "p")
+    first, written = prefill(producer, "p")
     assert len(first) == 1
-    assert producer.connector.stats.save_blocks == 5
+    assert written == {WRITE_KEY: (0, 5)}  # the prefill names the blocks it is writing
 
     consumer = engine(model_dir, store.target, "consumer")
     gate = threading.Event()
@@ -74,7 +88,7 @@ def test_a_fetching_request_waits_outside_the_batch(model_dir, store):
     consumer.connector.client.get = gated_get
     consumer.add_request("running", [11, 12, 13], GREEDY)
     consumer.step()  # prefill of the short request; it decodes from now on
-    consumer.add_request("fetching", prompt, GREEDY, first_token_ids=first)
+    consumer.add_request("fetching", prompt, GREEDY, first_token_ids=first, kv_transfer_params=written)
     fetching = consumer.scheduler.requests["fetching"]
     running = consumer.scheduler.requests["running"]
     outputs = consumer.step()
@@ -117,11 +131,70 @@ def test_a_load_inside_the_step_still_works(model_dir, store):
     producer = engine(model_dir, store.target, "producer")
     producer.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=1))
     first = run_to_end(producer, "p")
+    producer.shutdown()  # its puts have landed: a load inside the step does not wait for writes
     consumer = engine(model_dir, store.target, "consumer")
     consumer.connector.prefetch = lambda request, num_local_hit_tokens: None
     consumer.add_request("r", prompt, GREEDY, first_token_ids=first)
     got = run_to_end(consumer, "r")  # decode's first output carries the prefill's token
     assert consumer.connector.stats.load_blocks == 3
+    plain = engine(model_dir, None)
+    plain.add_request("plain", prompt, GREEDY)
+    assert got == run_to_end(plain, "plain")
+
+
+def gate_puts(eng: LLMEngine) -> threading.Event:
+    """Hold the engine's puts to the (real) store until the event is set."""
+    gate = threading.Event()
+    real_put = eng.connector.client.put
+
+    def gated_put(items):
+        assert gate.wait(60), "the test never opened the gate"
+        return real_put(items)
+    eng.connector.client.put = gated_put
+    return gate
+
+
+def test_a_decode_waits_for_blocks_its_prefill_is_still_writing(model_dir, store):
+    """The prefill answers once its blocks are staged; the decode that asks
+    before they land waits for them outside the batch, then loads them."""
+    prompt = [(17 * i) % 400 + 5 for i in range(4 * BLOCK + 5)]
+    producer = engine(model_dir, store.target, "producer")
+    gate = gate_puts(producer)
+    producer.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=1))
+    first, written = prefill(producer, "p")  # answered while every put is held
+    assert written == {WRITE_KEY: (0, 4)}
+    consumer = engine(model_dir, store.target, "consumer")
+    consumer.add_request("d", prompt, GREEDY, first_token_ids=first, kv_transfer_params=written)
+    waiting = consumer.scheduler.requests["d"]
+    for _ in range(3):
+        consumer.step()
+        time.sleep(0.05)
+        assert waiting.status is RequestStatus.WAITING and waiting.num_computed_tokens == 0
+    gate.set()
+    got = first + run_to_end(consumer, "d")
+    assert waiting.num_external_tokens == 4 * BLOCK  # loaded once landed, not computed
+    stats = consumer.connector.stats
+    assert stats.load_blocks == 4 and stats.write_wait_seconds > 0.1 and stats.write_wait_timeouts == 0
+    plain = engine(model_dir, None)
+    plain.add_request("plain", prompt, GREEDY)
+    assert got == run_to_end(plain, "plain")
+
+
+def test_writes_that_never_land_in_time_are_recomputed(model_dir, store, monkeypatch):
+    from tandem.engine.connector import kvstore
+
+    monkeypatch.setattr(kvstore, "WRITE_WAIT_S", 0.3)
+    prompt = [(19 * i) % 400 + 5 for i in range(3 * BLOCK + 2)]
+    producer = engine(model_dir, store.target, "producer")
+    gate = gate_puts(producer)
+    producer.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=1))
+    first, written = prefill(producer, "p")
+    consumer = engine(model_dir, store.target, "consumer")
+    consumer.add_request("d", prompt, GREEDY, first_token_ids=first, kv_transfer_params=written)
+    got = run_to_end(consumer, "d")  # its first output carries the prefill's token
+    gate.set()
+    stats = consumer.connector.stats
+    assert stats.write_wait_timeouts == 1 and stats.load_blocks == 0
     plain = engine(model_dir, None)
     plain.add_request("plain", prompt, GREEDY)
     assert got == run_to_end(plain, "plain")

@@ -48,13 +48,13 @@ def test_blocks_saved_from_one_engines_cache_load_into_anothers(tmp_path, device
     try:
         producer = engine(path, device, store.target, "producer")
         first = run(producer, 1)
+        producer.connector.close()  # waits for its puts, which the prefill does not wait for
         assert producer.connector.stats.save_blocks == 7 and producer.connector.stats.save_failures == 0
         consumer = engine(path, device, store.target, "consumer")
         assert run(consumer, 8, first_token_ids=first) == reference
         stats = consumer.stats()
         assert stats.kv_load_blocks == 7 and stats.prompt_tokens_external == 7 * BLOCK
         assert stats.recompute_fallbacks == 0
-        producer.shutdown()
         consumer.shutdown()
     finally:
         store.stop()
