@@ -37,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional
 
@@ -52,6 +53,8 @@ def register(subparsers) -> None:
     p.add_argument("--backends", default="memory,redis",
                    help="store backends to measure: memory, redis (needs redis-server), comma-separated")
     p.add_argument("--repeats", type=int, default=3, help="measurements per path; the median is reported")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="unmeasured runs of each path first, idle (default 1; 0 measures a cold store)")
     p.add_argument("--busy", default="0,1", help="load of a Python thread beside the transfer: 0 idle, 1 "
                                                  "spinning all the time, 0.5 half the time (comma-separated)")
     p.add_argument("--switch-interval-ms", type=float, default=None,
@@ -88,8 +91,12 @@ def busy_thread(fraction: float) -> Iterator[None]:
         thread.join()
 
 
-def timed(fn: Callable[[], None], nbytes: int, repeats: int) -> float:
-    """Median GB/s of fn() moving nbytes."""
+def timed(fn: Callable[[], None], nbytes: int, repeats: int, warmup: int = 0) -> float:
+    """Median GB/s of fn() moving nbytes, after `warmup` runs that are not
+    measured (a fresh store's first values cost a page fault per 4 KiB, and a
+    new mapping of an arena one per page: a serving store is past both)."""
+    for _ in range(warmup):
+        fn()
     rates = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -281,24 +288,18 @@ def store_paths(target: str, total: int, block: int, mover: bool, shared: bool =
     arena = client.open_arena(n * block)
     arena[:] = os.urandom(len(arena))
     items = [(f"bench-{i}", i * block, block) for i in range(n)]
-    # As the connector does: one call per step's blocks, with a few in flight (save and prefetches).
+    # As the connector does: one call per step's blocks, with a few in flight
+    # (save and prefetches), from threads that live as long as the client.
     groups = [items[i::4] for i in range(4)]
+    pool = ThreadPoolExecutor(max_workers=len(groups))
 
     def across(call) -> None:
-        errors: list[BaseException] = []
+        for future in [pool.submit(call, g) for g in groups]:
+            future.result()  # re-raises a failure on the measuring thread
 
-        def one(group) -> None:
-            try:
-                call(group)
-            except BaseException as exc:  # re-raised below, on the measuring thread
-                errors.append(exc)
-        threads = [threading.Thread(target=one, args=(g,)) for g in groups]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+    def close() -> None:
+        pool.shutdown()
+        client.close()
 
     def put(group) -> None:
         if client.put(group) != len(group):
@@ -307,7 +308,7 @@ def store_paths(target: str, total: int, block: int, mover: bool, shared: bool =
     def get(group) -> None:
         if not all(client.get(group)):
             raise RuntimeError("the store lost blocks between save and load")
-    return lambda: across(put), lambda: across(get), client.close
+    return lambda: across(put), lambda: across(get), close
 
 
 def run(args: argparse.Namespace) -> int:
@@ -322,9 +323,10 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict] = []
 
     def measure(path: str, what: str, fn: Callable[[], None]) -> None:
-        for busy in busy_levels:
+        for i, busy in enumerate(busy_levels):
+            warmup = args.warmup if i == 0 else 0
             with busy_thread(busy):
-                rate = timed(fn, total, args.repeats)
+                rate = timed(fn, total, args.repeats, warmup)
             rows.append({"path": path, "what": what, "busy": busy, "GBps": rate})
             print(f"{path:<30}{what:<6} busy {busy:<4} {rate:6.2f} GB/s", file=sys.stderr, flush=True)
 

@@ -109,6 +109,9 @@ class StoreMeta(ConnectorMeta):
     save_slot: int = -1
     num_save_blocks: int = 0
     save_block_ids: Optional[torch.Tensor] = None
+    # A pinned arena (CUDA): the saves' layers gathered on the device first,
+    # [n, layers, 2, block_size, kv_heads, head_dim], then one DMA per block.
+    save_on_device: Optional[torch.Tensor] = None
 
 
 class KVStoreConnector(KVConnector):
@@ -318,6 +321,11 @@ class KVStoreConnector(KVConnector):
         return 0, {WRITE_KEY: (written[0], written[1] - written[0])}
 
     # ---- worker side ---------------------------------------------------
+    def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        super().register_kv_cache(kv_cache)
+        if kv_cache.is_cuda:
+            self.arena.pin()
+
     def start_load(self, meta: StoreMeta) -> set[str]:
         failed: set[str] = set()
         for load in meta.loads:
@@ -339,7 +347,17 @@ class KVStoreConnector(KVConnector):
         cache = self.kv_cache  # [layers, 2, blocks, block_size, kv_heads, head_dim]
         ids = torch.tensor(load.block_ids, device=cache.device)
         staged = self.arena.blocks[result.slot + offset:result.slot + offset + k]  # [k, layers, 2, ...]
-        cache[:, :, ids] = staged.permute(1, 2, 0, 3, 4, 5).to(cache.device, non_blocking=True)
+        if self.arena.pinned:
+            # One DMA per block (each slot's data is contiguous; a run is not,
+            # headers sit between), then one scatter on the device. The slots
+            # go back after this returns, so the copies must be done by then.
+            on_device = torch.empty(staged.shape, dtype=staged.dtype, device=cache.device)
+            for i in range(k):
+                on_device[i].copy_(staged[i], non_blocking=True)
+            cache[:, :, ids] = on_device.permute(1, 2, 0, 3, 4, 5)
+            torch.cuda.current_stream(cache.device).synchronize()
+        else:
+            cache[:, :, ids] = staged.permute(1, 2, 0, 3, 4, 5).to(cache.device, non_blocking=True)
         self.stats.load_blocks += k
         self.stats.load_bytes += k * self.layout.block_bytes
         self.stats.load_seconds += result.seconds * k / result.num_blocks
@@ -362,18 +380,34 @@ class KVStoreConnector(KVConnector):
             meta.save_block_ids = torch.tensor([b for s in meta.saves for b in s.block_ids],
                                                device=self.kv_cache.device)
             self.arena.write_headers(slot, n)
+            if self.arena.pinned:
+                meta.save_on_device = torch.empty((n, *self.arena.block_shape), dtype=self.kv_cache.dtype,
+                                                  device=self.kv_cache.device)
         if meta.save_slot < 0:
             return
-        staged = self.arena.blocks[meta.save_slot:meta.save_slot + meta.num_save_blocks, layer]
-        staged.copy_(self.kv_cache[layer][:, meta.save_block_ids].transpose(0, 1))  # [n, 2, block_size, heads, dim]
+        layer_kv = self.kv_cache[layer][:, meta.save_block_ids].transpose(0, 1)  # [n, 2, block_size, heads, dim]
+        if meta.save_on_device is not None:
+            meta.save_on_device[:, layer] = layer_kv  # on the device: no wait here
+        else:
+            self.arena.blocks[meta.save_slot:meta.save_slot + meta.num_save_blocks, layer].copy_(layer_kv)
         if layer == self.layout.num_layers - 1:
+            copied = None
+            if meta.save_on_device is not None:
+                for i in range(meta.num_save_blocks):  # one DMA per block, queued behind the step
+                    self.arena.blocks[meta.save_slot + i].copy_(meta.save_on_device[i], non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record()
+                meta.save_on_device = None  # its memory is reused only by later work on this stream
             keys = [block_key(h) for s in meta.saves for h in s.block_hashes]
-            self._saves.append(self._saver.submit(self._put, keys, meta.save_slot, self._save_started))
+            self._saves.append(self._saver.submit(self._put, keys, meta.save_slot, self._save_started, copied))
 
-    def _put(self, keys: list[str], slot: int, staged_at: float) -> None:
+    def _put(self, keys: list[str], slot: int, staged_at: float, copied=None) -> None:
         """Store the staged blocks (on the saver thread, the only writer of the
-        save counters). Their slots go back either way."""
+        save counters), once `copied` (a CUDA event, when the copies into the
+        arena were queued) has passed. Their slots go back either way."""
         try:
+            if copied is not None:
+                copied.synchronize()
             stored = self.client.put(self.arena.items(keys, slot))
         except Exception as exc:  # the decode side will recompute; never fail the request
             self.stats.save_failures += 1

@@ -8,9 +8,15 @@ reused: no fresh buffers (and their page faults) per transfer.
 Slots are handed out as contiguous runs, so a run is one strided tensor
 [n, layers, 2, block_size, kv_heads, head_dim] and a layer of a whole step's
 saves, or a whole load, is one copy.
+
+For a CUDA cache the arena is pinned (page-locked with cudaHostRegister), so
+copies between it and the GPU are DMA at the link's speed and can be queued
+without waiting (non_blocking) instead of going through a pageable bounce
+buffer while the engine thread waits.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Optional
 
@@ -20,6 +26,8 @@ from tandem.engine.connector.base import KVCacheLayout
 from tandem.engine.connector.serialization import HEADER_BYTES, block_header, check_block_header
 
 ALIGN = 64
+
+log = logging.getLogger(__name__)
 
 
 class StagingArena:
@@ -41,6 +49,22 @@ class StagingArena:
                                         dtype=torch.uint8)
         self._free: list[tuple[int, int]] = [(0, self.num_slots)]  # (start, length), sorted, merged
         self._lock = threading.Condition()
+        self._raw = raw
+        self.pinned = False
+
+    def pin(self) -> bool:
+        """Page-lock the arena for CUDA copies (once; False where CUDA refuses,
+        e.g. a locked-memory limit: copies then work as before, only slower)."""
+        if self.pinned:
+            return True
+        nbytes = self._raw.numel()
+        code = torch.cuda.cudart().cudaHostRegister(self._raw.data_ptr(), nbytes, 0)
+        if int(code) != 0:
+            log.warning("could not pin the %.0f MiB KV staging arena (CUDA error %s): its copies to and from "
+                        "the GPU stay synchronous", nbytes / 2**20, int(code))
+            return False
+        self.pinned = True
+        return True
 
     @staticmethod
     def slot_size(layout: KVCacheLayout) -> int:
