@@ -39,6 +39,10 @@ class EngineMetrics:
         "kv_save_blocks": ("KV_TRANSFER_BLOCKS", {"direction": "save"}),
         "kv_load_blocks": ("KV_TRANSFER_BLOCKS", {"direction": "load"}),
         "recompute_fallbacks": ("KV_RECOMPUTE_FALLBACKS", {}),
+        "kv_swapped_out_blocks": ("KV_SWAPPED_OUT_BLOCKS", {}),
+        "kv_swapped_in_blocks": ("KV_SWAPPED_IN_BLOCKS", {}),
+        "kv_host_offloaded_blocks": ("KV_HOST_OFFLOADED_BLOCKS", {}),
+        "kv_host_hit_blocks": ("KV_HOST_HIT_BLOCKS", {}),
     }
 
     def __init__(self, engine, role: str) -> None:
