@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 BlockHash = bytes
 
@@ -39,6 +39,9 @@ class BlockPool:
             (b.block_id, b) for b in self.blocks[1:])
         self.cached: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
+        # Called with each cached block as it is evicted, its hash and content
+        # still intact (the host KV tier copies it before the block is reused).
+        self.on_evict: Optional[Callable[[KVCacheBlock], None]] = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -94,6 +97,8 @@ class BlockPool:
         self.cached[block_hash] = block
 
     def _evict(self, block: KVCacheBlock) -> None:
+        if self.on_evict is not None:
+            self.on_evict(block)
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
         block.block_hash = None

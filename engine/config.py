@@ -59,6 +59,10 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: float = 1.0
     enable_prefix_caching: bool = True
+    # Host memory for the host KV tier (engine/host_kv_tier.py): preempted
+    # requests swap their KV there, evicted prefix-cache blocks stay findable
+    # there. 0: no tier, preemption recomputes.
+    swap_space_gib: float = 0.0
 
 
 @dataclass
@@ -161,6 +165,11 @@ class EngineArgs:
         1.0, "GiB of KV cache on the CPU when --num-blocks is unset", group=_CACHE)
     enable_prefix_caching: bool = flag_field(
         True, "turn off the local prefix cache", flag="--no-prefix-caching", negated=True, group=_CACHE)
+    swap_space: float = flag_field(
+        0.0, "GiB of host memory (pinned on CUDA) for a KV tier below the device cache: a request "
+        "preempted for lack of KV blocks is swapped out there and swapped back in instead of "
+        "recomputed, and prefix-cache blocks the device evicts stay findable there by hash; 0: no "
+        "tier, preemption recomputes. Not with --kv-transfer", group=_CACHE, metavar="GIB")
 
     # --- scheduler
     max_num_batched_tokens: Optional[int] = flag_field(
@@ -246,7 +255,8 @@ class EngineArgs:
             cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks,
                               gpu_memory_utilization=self.gpu_memory_utilization,
                               cpu_kv_cache_gib=self.cpu_kv_cache_gib,
-                              enable_prefix_caching=self.enable_prefix_caching),
+                              enable_prefix_caching=self.enable_prefix_caching,
+                              swap_space_gib=self.swap_space),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs, policy=self.policy,
                                       staging_queue_size=self.staging_queue_size,
@@ -285,6 +295,13 @@ class EngineArgs:
         if self.kv_store and self.kv_transfer != "store":
             raise ConfigError(f"--kv-store is set but --kv-transfer is {self.kv_transfer}: add "
                               "--kv-transfer store, or drop --kv-store")
+        if self.swap_space < 0:
+            raise ConfigError(f"--swap-space: GiB of host memory, 0 (off) or more; got {self.swap_space}")
+        if self.swap_space > 0 and self.kv_transfer not in ("none", None):
+            raise ConfigError(f"--swap-space and --kv-transfer {self.kv_transfer} do not work together "
+                              "yet: the host tier's swap-ins would be a third source of a request's KV "
+                              "that the connector does not know of; use one of them (the KV store is "
+                              "itself a tier for evicted prefixes)")
         if self.attention_backend == "triton" and self.device == "cpu":
             raise ConfigError("--attention-backend triton needs CUDA, and --device is cpu: use "
                               "--attention-backend auto or torch")

@@ -16,10 +16,12 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 from tandem.engine.config import EngineConfig
 from tandem.engine.connector.base import KVCacheLayout, KVConnector, KVStore
 from tandem.engine.detokenizer import Detokenizer
+from tandem.engine.host_kv_tier import HostKVTier
 from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.kv_swapper import KVSwapper
 from tandem.engine.loader import ModelInfo, load_model_info
 from tandem.engine.model_runner import ModelRunner
-from tandem.engine.outputs import RequestOutput
+from tandem.engine.outputs import RequestOutput, take_external_tokens
 from tandem.engine.request import Request, SamplingParams, SamplingParamsError
 from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import Scheduler
@@ -71,6 +73,12 @@ class EngineStats:
     kv_write_wait_seconds: float = 0.0  # decode: waiting for a prefill's store writes to land
     kv_write_wait_timeouts: int = 0
     num_held_blocks: int = 0  # direct transfer: blocks kept for a decode to copy
+    # The host KV tier (--swap-space): preempted requests' blocks copied out and
+    # back in, evicted prefix-cache blocks kept there, prompt blocks restored by hash.
+    kv_swapped_out_blocks: int = 0
+    kv_swapped_in_blocks: int = 0
+    kv_host_offloaded_blocks: int = 0
+    kv_host_hit_blocks: int = 0
 
 
 class LLMEngine:
@@ -103,8 +111,14 @@ class LLMEngine:
                         self.info.max_model_len)
         self.runner.enable_cuda_graphs(self.max_model_len)
         self.sampler = Sampler(self.info.hf_config.vocab_size)
+        self.swapper: Optional[KVSwapper] = None
+        if self.runner.num_host_slots:
+            if self.connector is not None:
+                raise ValueError("swap_space and a KV connector do not work together yet: the "
+                                 "connector does not know of KV swapped in from the host tier")
+            self.swapper = KVSwapper(HostKVTier(self.runner.num_host_slots), self.kv)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.connector, self.max_model_len,
-                                   config.kv_hold_timeout_s)
+                                   config.kv_hold_timeout_s, self.swapper)
         self.eos_token_id = self._eos_token_id()
         self.last_step_empty = False
         self.step_times = StepTimes()
@@ -185,7 +199,7 @@ class LLMEngine:
         if self.tokenizer is not None:
             request.detokenizer = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
         if first:
-            self._ready.append(self.scheduler.take_external_tokens(request, first))
+            self._ready.append(take_external_tokens(request, first, self.max_model_len))
             if request.is_finished:
                 return request
         self.scheduler.add_request(request)
@@ -232,6 +246,7 @@ class LLMEngine:
         t0 = clock()
         plan = scheduler.schedule()
         t1 = clock()
+        runner.swap(plan)  # even for an empty plan: a lone request may have been swapped out
         self.last_step_empty = plan.is_empty and not ready  # e.g. every request waits on its KV fetch
         if plan.is_empty:
             return ready
@@ -245,7 +260,7 @@ class LLMEngine:
                 before_layer = connector.wait_for_layer_load
             if meta.saves:
                 after_layer = lambda layer: connector.save_layer(layer, meta)  # noqa: E731
-        t1_loaded = clock()  # the connector's loads (inside the step) count in no phase
+        t1_loaded = clock()  # the host tier's copies and the connector's loads count in no phase
         batch = runner.prepare(plan)
         t2 = clock()
         logits = runner.forward(batch, plan, before_layer, after_layer)
@@ -269,7 +284,7 @@ class LLMEngine:
         waiting = list(sched.waiting_requests())
         cs = self.connector.stats if self.connector is not None else None
         ss = sched.stats
-        return EngineStats(
+        stats = EngineStats(
             num_running=len(sched.running), num_waiting=len(waiting),
             num_waiting_prompt_tokens=sum(r.num_tokens - r.num_computed_tokens for r in waiting),
             kv_cache_usage=self.kv.usage, num_free_blocks=self.kv.pool.num_free_blocks,
@@ -287,6 +302,11 @@ class LLMEngine:
             kv_write_wait_seconds=cs.write_wait_seconds if cs else 0.0,
             kv_write_wait_timeouts=cs.write_wait_timeouts if cs else 0,
             num_held_blocks=sched.num_held_blocks)
+        if self.swapper is not None:
+            sw = self.swapper.stats
+            stats.kv_swapped_out_blocks, stats.kv_swapped_in_blocks = sw.swapped_out_blocks, sw.swapped_in_blocks
+            stats.kv_host_offloaded_blocks, stats.kv_host_hit_blocks = sw.offloaded_blocks, sw.host_hit_blocks
+        return stats
 
     def shutdown(self) -> None:
         if self.connector is not None:

@@ -19,6 +19,7 @@ import torch
 from tandem.engine.block_table import BlockTable
 from tandem.engine.config import EngineConfig
 from tandem.engine.connector.base import KVCacheLayout
+from tandem.engine.host_kv_tier import HostKVBuffer
 from tandem.engine.loader import ModelInfo, load_weights
 from tandem.engine.models import LlamaFamilyForCausalLM
 from tandem.engine.models.llama import LayerHook, head_dim_of
@@ -78,6 +79,15 @@ class ModelRunner:
                                self.dtype, self.device, model_key=f"{info.model_id}|{self.dtype}")
         self.layout = dataclasses.replace(layout, num_blocks=self._decide_num_blocks(layout.block_bytes))
         self.kv_cache: Optional[torch.Tensor] = None  # bind_kv_cache
+        # The host KV tier's memory (swap_space_gib; 0: none): whole blocks of every layer.
+        self.num_host_slots = int(config.cache.swap_space_gib * 2**30 // self.layout.block_bytes)
+        if config.cache.swap_space_gib > 0 and self.num_host_slots < 1:
+            raise ValueError(f"swap_space {config.cache.swap_space_gib} GiB holds no KV block of "
+                             f"{self.layout.block_bytes} bytes: give at least that, or 0 to turn swapping off")
+        self.host_kv: Optional[HostKVBuffer] = None
+        if self.num_host_slots:
+            self.host_kv = HostKVBuffer(self.num_host_slots, self.layout.shape, self.dtype,
+                                        pin=self.device.type == "cuda")
         self.kv_caches: list[torch.Tensor] = []
         self.graphs = None  # set by enable_cuda_graphs once the engine knows max_model_len
         self.block_table = BlockTable(config.scheduler.max_num_seqs)
@@ -198,6 +208,11 @@ class ModelRunner:
             meta=meta, logits_indices=logits_indices)
 
     # ---- execution -----------------------------------------------------
+    def swap(self, plan: SchedulerOutput) -> None:
+        """The plan's host-tier copies: before anything of the step writes the cache."""
+        if plan.swap_out or plan.swap_in:
+            self.host_kv.copy(self.kv_cache, plan.swap_out, plan.swap_in)
+
     def execute(self, plan: SchedulerOutput, before_layer: Optional[LayerHook] = None,
                 after_layer: Optional[LayerHook] = None) -> Optional[torch.Tensor]:
         """prepare() then forward(): the logits of the plan's sampled entries."""

@@ -49,3 +49,22 @@ def request_output(request: Request, token_ids: list[int], text: str, logprobs: 
                          request.num_prompt_tokens, len(request.output_token_ids),
                          request.num_cached_tokens, request.num_external_tokens, request.stop_reason,
                          request.kv_transfer_params)
+
+
+def take_external_tokens(request: Request, token_ids: list[int], max_model_len: int) -> RequestOutput:
+    """Tokens sampled elsewhere (a prefill's first token), for a request not
+    yet added: the same stop rules and text as sampled ones, counted as
+    generated there. A stop only marks the request finished (it holds
+    nothing yet); the output carries the tokens taken."""
+    status = None
+    taken: list[int] = []
+    text = ""
+    for token in token_ids:
+        status = request.take_token(token, None, max_model_len)
+        taken.append(token)
+        if request.detokenizer is not None:
+            text += request.detokenizer.delta(status is not None)
+        if status is not None:
+            request.status = status
+            break
+    return request_output(request, taken, text, [], status)

@@ -29,6 +29,14 @@ class SchedulerOutput:
     sampled: list[int] = field(default_factory=list)
     freed_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
+    # Host KV tier copies (kv_swapper.py), made before the step's forward and
+    # before the connector's loads: every (device block, host slot) swap-out
+    # first (a preempted request's blocks, evicted cached blocks), then every
+    # (host slot, device block) swap-in. A device block freed and reused in
+    # this step is thus read before it is written; a slot read this step is
+    # never written this step (the tier keeps it referenced until the next plan).
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
     # The KV connector's whole job for this step (loads, saves), or None.
     connector_meta: Optional[object] = None
 

@@ -3,7 +3,9 @@
 Progress is two numbers (thesis 4.4): `num_computed_tokens` (tokens whose KV
 is in the cache) and `num_tokens` (prompt + output tokens known so far). A
 prefill is a large step, a decode a step of one, a prefix-cache hit or a KV
-transfer starts num_computed_tokens above zero, preemption resets it to zero.
+transfer starts num_computed_tokens above zero, preemption resets it to zero
+(a swapped-out request keeps its KV in host slots and gets it back at
+re-admission, like a prefix-cache hit).
 """
 from __future__ import annotations
 
@@ -195,7 +197,8 @@ class Request:
                  "num_prompt_tokens", "output_token_ids", "all_token_ids", "num_computed_tokens", "status",
                  "logprobs", "num_cached_tokens", "num_external_tokens", "num_preemptions", "stop_reason",
                  "kv_transfer_params", "stop_token_set", "blocks", "block_ids", "num_named_blocks",
-                 "block_hashes", "detokenizer", "generator", "__weakref__")
+                 "block_hashes", "host_slots", "num_host_tokens", "detokenizer", "generator",
+                 "__weakref__")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_id: Optional[int] = None, arrival_time: Optional[float] = None,
@@ -230,6 +233,10 @@ class Request:
         self.block_ids: list[int] = []
         self.num_named_blocks = 0
         self.block_hashes: list[bytes] = []
+        # Swapped out by a preemption (kv_swapper.py): the host-tier slots that
+        # hold its first num_host_tokens tokens' KV, block by block, until it resumes.
+        self.host_slots: list[int] = []
+        self.num_host_tokens = 0
         self.detokenizer: Optional[Detokenizer] = None  # set by the engine when it has a tokenizer
         self.generator: Any = None  # the sampler's torch.Generator when params.seed is set
 

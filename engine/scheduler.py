@@ -3,9 +3,11 @@
 Running requests are served before waiting ones (decodes first under FIFO;
 SRTF picks the fewest remaining tokens, which are the decodes). A prompt longer
 than the remaining budget is chunked. When blocks run out, the lowest-priority
-running request is preempted by recompute: its blocks are freed and its
-num_computed_tokens drops to zero. There is no per-phase code path: every
-request advances num_computed_tokens towards num_tokens.
+running request is preempted: its blocks are freed and its
+num_computed_tokens drops to zero; with the host KV tier on (kv_swapper.py)
+its KV is swapped out to host memory and swapped back in at re-admission,
+otherwise it is recomputed. There is no per-phase code path: every request
+advances num_computed_tokens towards num_tokens.
 
 The update step takes the sampled tokens and applies the stop rules; a
 finished request is freed by one call, finish(), which also asks the KV
@@ -28,6 +30,7 @@ from tandem.engine.request import Request, RequestFailedError, RequestStatus, To
 
 if TYPE_CHECKING:
     from tandem.engine.connector.base import KVConnector
+    from tandem.engine.kv_swapper import KVSwapper
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +53,13 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
                  connector: Optional["KVConnector"] = None, max_model_len: int = 2**31 - 1,
-                 kv_hold_timeout_s: float = 30.0) -> None:
+                 kv_hold_timeout_s: float = 30.0, swapper: Optional["KVSwapper"] = None) -> None:
         if config.policy not in ("fifo", "srtf"):
             raise ValueError(f"policy must be 'fifo' or 'srtf', got {config.policy!r}")
         self.config = config
         self.kv = kv
         self.connector = connector
+        self.swapper = swapper  # the host KV tier's scheduler side, or None (preemption recomputes)
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.staging: list[Request] = []  # two-level SRTF's second-level queue
@@ -101,6 +105,8 @@ class Scheduler:
             request.kv_transfer_params.update(params)
             if hold > 0:
                 self.holds.hold(request, hold, params)
+        if request.host_slots:
+            self.swapper.release(request)  # swapped out, and leaving before it resumed
         self.kv.free(request)
         self._freed.append(request.request_id)
         self.requests.pop(request.request_id, None)
@@ -132,6 +138,8 @@ class Scheduler:
         else:
             self._schedule_srtf(budget, out)
         out.freed_request_ids, self._freed = self._freed, []
+        if self.swapper is not None:
+            self.swapper.flush(out)
         if self.connector is not None:
             out.connector_meta = self.connector.build_meta(out, self.requests)
         return out
@@ -203,10 +211,12 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
+        if self.swapper is not None:
+            self.swapper.swap_out(request)  # False: no room on the host, it recomputes
         self.kv.free(request)
         self._freed.append(request.request_id)
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0  # recompute from scratch (prefix cache may help)
+        request.num_computed_tokens = 0  # none on the device (prefix cache or host tier may help)
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -219,15 +229,20 @@ class Scheduler:
         if self.connector is not None and not self.connector.is_ready(request):
             return 0  # its KV is still being fetched
         hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+        host = self.swapper.restorable(request, hits) if self.swapper is not None else None
+        num_host = host.num_tokens if host is not None else 0  # swapped in, into fresh blocks
         num_external = 0
         if self.connector is not None:
             num_external = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
-        num_new = self._chunk(request.num_tokens - num_hit_tokens - num_external, budget)
+        num_new = self._chunk(request.num_tokens - num_hit_tokens - num_host - num_external, budget)
         if num_new <= 0:
             return 0
-        added = self.kv.allocate_slots(request, num_new, hits, num_external)
+        added = self.kv.allocate_slots(request, num_new, hits, num_host + num_external)
         if added is None:
             return 0
+        if host is not None:
+            self.swapper.restore(request, host)
+        num_hit_tokens += num_host  # local either way: the device cache or the host tier
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit_tokens + num_external
         if request.num_preemptions == 0:
@@ -366,24 +381,6 @@ class Scheduler:
         if status is not None:
             self.finish(request, status)
         return out
-
-    def take_external_tokens(self, request: Request, token_ids: list[int]) -> RequestOutput:
-        """Tokens sampled elsewhere (a prefill's first token), for a request not
-        yet added: the same stop rules and text as sampled ones, counted as
-        generated there. A stop only marks the request finished (it holds
-        nothing yet); the output carries the tokens taken."""
-        status = None
-        taken: list[int] = []
-        text = ""
-        for token in token_ids:
-            status = request.take_token(token, None, self.max_model_len)
-            taken.append(token)
-            if request.detokenizer is not None:
-                text += request.detokenizer.delta(status is not None)
-            if status is not None:
-                request.status = status
-                break
-        return request_output(request, taken, text, [], status)
 
     def fail(self, request: Request, error: RequestFailedError) -> RequestOutput:
         """Finish one request with an error; its blocks go back, the engine steps on."""

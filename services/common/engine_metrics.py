@@ -41,6 +41,10 @@ class EngineMetrics:
         "recompute_fallbacks": ("KV_RECOMPUTE_FALLBACKS", {}),
         "kv_write_wait_seconds": ("KV_STORE_WRITE_WAIT_SECONDS", {}),
         "kv_write_wait_timeouts": ("KV_STORE_WRITE_WAIT_TIMEOUTS", {}),
+        "kv_swapped_out_blocks": ("KV_SWAPPED_OUT_BLOCKS", {}),
+        "kv_swapped_in_blocks": ("KV_SWAPPED_IN_BLOCKS", {}),
+        "kv_host_offloaded_blocks": ("KV_HOST_OFFLOADED_BLOCKS", {}),
+        "kv_host_hit_blocks": ("KV_HOST_HIT_BLOCKS", {}),
     }
 
     def __init__(self, engine, role: str) -> None:

@@ -83,6 +83,18 @@ GENERATION_TOKENS = Counter(
     "tandem:generation_tokens", "Tokens generated.", ENGINE)
 NUM_PREEMPTIONS = Counter(
     "tandem:num_preemptions", "Requests preempted for lack of KV blocks.", ENGINE)
+KV_SWAPPED_OUT_BLOCKS = Counter(
+    "tandem:kv_swapped_out_blocks",
+    "KV blocks of preempted requests copied to the host tier (--swap-space) instead of dropped.", ENGINE)
+KV_SWAPPED_IN_BLOCKS = Counter(
+    "tandem:kv_swapped_in_blocks",
+    "KV blocks of preempted requests copied back from the host tier when they resumed.", ENGINE)
+KV_HOST_OFFLOADED_BLOCKS = Counter(
+    "tandem:kv_host_offloaded_blocks",
+    "Prefix-cache blocks the device cache evicted and the host tier kept.", ENGINE)
+KV_HOST_HIT_BLOCKS = Counter(
+    "tandem:kv_host_hit_blocks",
+    "Prompt KV blocks restored from the host tier by their hash instead of computed.", ENGINE)
 PROMPT_TOKENS_BY_SOURCE = Counter(
     "tandem:prompt_tokens_by_source",
     "Prompt tokens by where their KV came from: local_compute, local_cache_hit, external_kv_transfer.",

@@ -1,9 +1,11 @@
 """Greedy output of the engine equals HF transformers `generate`, token for token
 (fp32, CPU), for a batch of mixed-length prompts decoded together — plainly,
 with small prefill chunks, with prefix caching on a shared prefix, and with so
-few KV blocks that preemption happens. Logprobs agree within 1e-4."""
+few KV blocks that preemption happens (by recompute, and by swapping to the
+host KV tier). Logprobs agree within 1e-4."""
 from __future__ import annotations
 
+import collections
 import random
 
 import pytest
@@ -64,13 +66,74 @@ def test_smollm2_small_prefill_chunks_match_hf(smol):
     check_against_oracle(run_engine(llm, smol["prompts"]), smol["refs"], exact=True)
 
 
-def test_smollm2_preemption_matches_hf(smol):
+def tokens_computed_per_request(llm: LLM) -> collections.Counter:
+    """Counts, from every plan the engine runs from now on, the tokens each
+    request computes (observed: the real scheduler plans)."""
+    counts: collections.Counter = collections.Counter()
+    schedule = llm.engine.scheduler.schedule
+
+    def observed():
+        plan = schedule()
+        counts.update(dict(zip(plan.request_ids, plan.num_new_tokens)))
+        return plan
+
+    llm.engine.scheduler.schedule = observed
+    return counts
+
+
+# One KV block of SmolLM2 in fp32: 30 layers x K/V x 16 tokens x 3 heads x 64 x 4 bytes.
+SMOL_BLOCK_GIB = 30 * 2 * 16 * 3 * 64 * 4 / 2**30
+
+
+@pytest.mark.parametrize("swap_space", [0.0, 200 * SMOL_BLOCK_GIB], ids=["recompute", "swap"])
+def test_smollm2_preemption_matches_hf(smol, swap_space):
     # 40 usable blocks: the 600-token prompt alone needs 39, all together ~90.
-    llm = LLM("smollm2", num_blocks=41)
+    llm = LLM("smollm2", num_blocks=41, swap_space=swap_space)
+    computed = tokens_computed_per_request(llm)
     outputs = run_engine(llm, smol["prompts"])
-    assert llm.engine.stats().num_preemptions > 0, "the test must force preemption"
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0, "the test must force preemption"
     check_against_oracle(outputs, smol["refs"], exact=True)
     assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.pool.num_usable_blocks
+    # Without recompute a request computes its tokens once, less what it found cached.
+    once = {f"{o.request_id}#0": len(o.prompt_token_ids) + MAX_NEW - 1 - o.num_cached_tokens for o in outputs}
+    recomputed = {rid for rid, n in computed.items() if n > once[rid]}
+    if swap_space:
+        assert stats.kv_swapped_out_blocks > 0 and stats.kv_swapped_in_blocks > 0
+        assert not recomputed, "swapped requests resume where they stopped"
+        assert all(c == 0 for c in llm.engine.swapper.tier.ref_cnt)
+    else:
+        assert recomputed, "by recompute, a preempted request computes some tokens twice"
+        assert stats.kv_swapped_out_blocks == 0
+
+
+def test_smollm2_preemption_with_a_tier_too_small_recomputes_and_matches_hf(smol):
+    llm = LLM("smollm2", num_blocks=41, swap_space=1.5 * SMOL_BLOCK_GIB)  # one slot
+    assert llm.engine.swapper.tier.num_slots == 1
+    outputs = run_engine(llm, smol["prompts"])
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0 and stats.kv_swapped_out_blocks == 0
+    check_against_oracle(outputs, smol["refs"], exact=True)
+
+
+def test_smollm2_evicted_prefix_is_restored_from_the_host_tier(smol):
+    tok = smol["tokenizer"]
+    prefix = tok(TEXT)["input_ids"][:100]
+    full_blocks = len(prefix) // 16
+    first, second = prefix + tok(" Who built it?")["input_ids"], prefix + tok(" Name one city.")["input_ids"]
+    refs = [hf_greedy(smol["hf"], p, 8, eos_token_id=None) for p in (first, second)]
+    # 630 tokens and 1 more: all 40 device blocks, so no block of the first prompt stays cached.
+    filler = tok(TEXT * 8)["input_ids"][50:680]
+    cached = {}
+    for swap_space in (0.0, 100 * SMOL_BLOCK_GIB):
+        llm = LLM("smollm2", num_blocks=41, swap_space=swap_space)
+        outputs = run_engine(llm, [first], 8) + run_engine(llm, [filler], 1) + run_engine(llm, [second], 8)
+        check_against_oracle([outputs[0], outputs[2]], refs, exact=True)
+        cached[swap_space] = outputs[2].num_cached_tokens
+    stats = llm.engine.stats()
+    assert cached[0.0] == 0, "without the tier the device cache has lost the prefix"
+    assert cached[100 * SMOL_BLOCK_GIB] == full_blocks * 16, "with it the prefix is swapped in, not computed"
+    assert stats.kv_host_offloaded_blocks >= full_blocks and stats.kv_host_hit_blocks == full_blocks
 
 
 def test_smollm2_shared_prefix_hits_cache_and_matches_hf(smol):
@@ -113,11 +176,14 @@ def tiny(request, tmp_path_factory):
     {},
     {"max_num_batched_tokens": 40, "long_prefill_token_threshold": 24},
     {"num_blocks": 41},
+    {"num_blocks": 41, "swap_space": 0.01},
     {"policy": "srtf"},
-], ids=["plain", "chunked", "preempt", "srtf"])
+], ids=["plain", "chunked", "preempt", "preempt-swap", "srtf"])
 def test_tiny_models_match_hf(tiny, options):
     llm = LLM(tiny["path"], **options)
     outputs = run_engine(llm, tiny["prompts"], 16)
     if "num_blocks" in options:
         assert llm.engine.stats().num_preemptions > 0
+    if "swap_space" in options:
+        assert llm.engine.stats().kv_swapped_out_blocks > 0
     check_against_oracle(outputs, tiny["refs"], exact=False)
