@@ -150,6 +150,13 @@ def engine(role, title, signal_rows):
             panel("Blocks per second", [(f"sum by (direction) (rate(tandem:kv_transfer_blocks_total{sel(role)}[{R}]))", "{{direction}}")], "short"),
             panel("Transfer time p90", [(f"histogram_quantile(0.9, sum by (le, direction) (rate(tandem:kv_transfer_seconds_bucket{sel(role)}[{R}])))", "{{direction}}")], "s"),
             panel("Recompute fallbacks per second", [(f"sum(rate(tandem:kv_recompute_fallbacks_total{sel(role)}[{R}]))", "fallbacks")], "short"),
+            panel("Waiting for prefill writes", [(f"sum(rate(tandem:kv_store_write_wait_seconds_total{sel(role)}[{R}]))", "seconds waited per second"),
+                                                 (f"sum(rate(tandem:kv_store_write_wait_timeouts_total{sel(role)}[{R}]))", "gave up per second")], "short",
+                  "Decode requests waiting for blocks their prefill was still writing to the store (it answers before they land)."),
+            panel("Host tier blocks per second", [(f"sum(rate(tandem:kv_swapped_out_blocks_total{sel(role)}[{R}]))", "swapped out"),
+                                                  (f"sum(rate(tandem:kv_swapped_in_blocks_total{sel(role)}[{R}]))", "swapped in"),
+                                                  (f"sum(rate(tandem:kv_host_hit_blocks_total{sel(role)}[{R}]))", "restored by hash")], "short",
+                  "--swap-space: preemption by swapping, and prefix blocks kept in host memory."),
         ]),
     ])
 
@@ -191,8 +198,9 @@ kvstore = dash("tandem-kvstore", "tandem / kvstore", [
                                      (f"sum(rate(tandem:kvstore_misses_total{K}[{R}]))", "misses")], "short"),
         panel("Puts per second", [(f"sum(rate(tandem:kvstore_puts_total{K}[{R}]))", "puts")], "short"),
         panel("Bytes per second", [(f"sum(rate(tandem:kvstore_bytes_in_total{K}[{R}]))", "in (saves)"),
-                                   (f"sum(rate(tandem:kvstore_bytes_out_total{K}[{R}]))", "out (loads)")], "Bps",
-              "Signal bytes_out_rate is 'out' per pod."),
+                                   (f"sum(rate(tandem:kvstore_bytes_out_total{K}[{R}]))", "out (loads)"),
+                                   (f"sum(rate(tandem:kvstore_shared_memory_bytes_total{K}[{R}]))", "of which through shared memory")], "Bps",
+              "Signal bytes_out_rate is 'out' per pod. Shared memory: engines on the store's host."),
     ]),
 ], model=False)
 
