@@ -15,6 +15,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
 
+from tandem.services.kvstore.redis_wire import BulkValuePacker
+
 
 class BackendUnavailable(Exception):
     """The backend cannot be reached (e.g. Redis is down); the request may succeed later."""
@@ -203,6 +205,8 @@ class RedisBackend:
             url, socket_connect_timeout=connect_timeout_s, socket_timeout=timeout_s,
             # Blocks are MiBs: read replies in large pieces, not 64 KiB ones.
             socket_read_size=READ_SIZE,
+            # Values go from their buffers straight to the socket (redis_wire.py says why).
+            command_packer=BulkValuePacker(),
             retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), retries=1),
             retry_on_error=[redis.exceptions.ConnectionError, redis.exceptions.TimeoutError])
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
