@@ -136,6 +136,10 @@ class _Handler(socketserver.BaseRequestHandler):
                 sock.sendall(value)
             if metrics is not None:
                 metrics.on_get(hits, len(values) - hits, sum(len(v) for v in values if v is not None))
+            # Sent: a backend that reads values into buffers of its own (Redis) reuses them.
+            release = getattr(backend, "release_values", None)
+            if release is not None:
+                release(values)
 
     def _exists(self, sock: socket.socket, keys: list[str]) -> None:
         try:

@@ -14,7 +14,7 @@ argument `$<length>\\r\\n<bytes>\\r\\n`.
 """
 from __future__ import annotations
 
-from typing import Union
+from typing import Optional, Union
 
 # Arguments longer than this are sent as pieces of their own; shorter ones
 # are joined with the framing around them (one sendall for a whole GET).
@@ -61,3 +61,87 @@ class BulkValuePacker:
                 head += b"\r\n"
         pieces.append(bytes(head))
         return pieces
+
+
+# --- replies ---------------------------------------------------------------------------------
+
+# Bytes asked of the socket while looking for a reply's header line: small,
+# so little of the value behind it lands in the header buffer (and is copied
+# once more from there).
+HEADER_READ_BYTES = 4096
+
+
+class ReplyError(Exception):
+    """Redis answered a command with an error reply (`-ERR ...`)."""
+
+
+class ProtocolError(Exception):
+    """Redis sent something that is not a bulk-string reply."""
+
+
+class BulkReplyReader:
+    """Reads replies of bulk-string commands (GET) from a socket, each value
+    straight into a buffer of its own size: one copy out of the kernel.
+
+    redis-py's hiredis parser copies a value three times (into its read
+    buffer, into the reader's, into a new bytes object), two of them under
+    the GIL, and slows down further on several large replies in a row.
+    """
+
+    def __init__(self, sock) -> None:
+        self._sock = sock
+        self._pending = bytearray()  # bytes received past the last reply read
+
+    def _fill(self, least: int) -> None:
+        while len(self._pending) < least:
+            chunk = self._sock.recv(HEADER_READ_BYTES)
+            if not chunk:
+                raise ConnectionError("Redis closed the connection mid-reply")
+            self._pending += chunk
+
+    def _line(self) -> bytes:
+        start = 0
+        while True:
+            end = self._pending.find(b"\r\n", start)
+            if end >= 0:
+                line = bytes(self._pending[:end])
+                del self._pending[:end + 2]
+                return line
+            start = max(len(self._pending) - 1, 0)
+            self._fill(len(self._pending) + 1)
+
+    def read(self, buffer_for) -> Optional[bytearray]:
+        """The next reply: a bulk string's bytes in buffer_for(length), or None for a nil.
+        ReplyError for an error reply (the connection stays in step)."""
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"-":
+            raise ReplyError(rest.decode(errors="replace"))
+        if kind == b"_":  # RESP3's null (redis-py speaks RESP3 to a Redis that has it)
+            return None
+        if kind != b"$":
+            raise ProtocolError(f"expected a bulk string, got {line[:40]!r}")
+        length = int(rest)
+        if length < 0:
+            return None
+        buffer = buffer_for(length)
+        view = memoryview(buffer)
+        have = min(len(self._pending), length)
+        view[:have] = self._pending[:have]
+        del self._pending[:have]
+        got = have
+        while got < length:
+            n = self._sock.recv_into(view[got:], length - got)
+            if n == 0:
+                raise ConnectionError("Redis closed the connection mid-value")
+            got += n
+        self._fill(2)
+        if self._pending[:2] != b"\r\n":
+            raise ProtocolError("a bulk string not followed by CRLF")
+        del self._pending[:2]
+        return buffer
+
+    @property
+    def drained(self) -> bool:
+        """Nothing received beyond the replies read (the connection can serve others)."""
+        return not self._pending
