@@ -202,6 +202,8 @@ class RedisBackend:
     # (16 GETs on each of 4 connections) it spent 0.6 CPU-s per GB moved, mostly
     # page faults on fresh buffers, against 0.28 with 1 or 2.
     GET_PIPELINE_KEYS = 2
+    # Keys per get the data channel asks for: one pipeline's worth (data_server.py says why).
+    get_batch_keys = GET_PIPELINE_KEYS
 
     def __init__(self, url: str, connect_timeout_s: float = 1.0, timeout_s: float = 5.0) -> None:
         import redis
