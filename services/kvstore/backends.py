@@ -13,7 +13,7 @@ import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import Iterator, Optional, Protocol, Sequence
 
 from tandem.services.kvstore.redis_wire import BulkReplyReader, BulkValuePacker, ReplyError
 from tandem.services.kvstore.redis_wire import ProtocolError as WireError
@@ -202,8 +202,6 @@ class RedisBackend:
     # (16 GETs on each of 4 connections) it spent 0.6 CPU-s per GB moved, mostly
     # page faults on fresh buffers, against 0.28 with 1 or 2.
     GET_PIPELINE_KEYS = 2
-    # Keys per get the data channel asks for: one pipeline's worth (data_server.py says why).
-    get_batch_keys = GET_PIPELINE_KEYS
 
     def __init__(self, url: str, connect_timeout_s: float = 1.0, timeout_s: float = 5.0) -> None:
         import redis
@@ -223,8 +221,6 @@ class RedisBackend:
             retry_on_error=[redis.exceptions.ConnectionError, redis.exceptions.TimeoutError])
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
         self._redis_error = redis.exceptions.RedisError
-        self._connection_error = redis.exceptions.ConnectionError
-        self._reply_error = redis.exceptions.ResponseError
         self._hits = 0
         self._misses = 0
         self._counts_lock = threading.Lock()
@@ -236,12 +232,16 @@ class RedisBackend:
         """Run fn(); Redis being unreachable (or refusing writes) becomes BackendUnavailable."""
         try:
             return fn()
-        except self._errors as exc:
-            raise BackendUnavailable(
+        except (*self._errors, self._redis_error) as exc:
+            raise self._unavailable(what, exc) from exc
+
+    def _unavailable(self, what: str, exc: BaseException) -> BackendUnavailable:
+        if isinstance(exc, (OSError, WireError, *self._errors)):  # OSError: socket timeouts too
+            return BackendUnavailable(
                 f"Redis at {self.url} is unreachable during {what} ({exc}); check that it runs "
-                f"and the URL is right, or start the store with --backend memory") from exc
-        except self._redis_error as exc:  # e.g. OOM under maxmemory with noeviction
-            raise BackendUnavailable(f"Redis at {self.url} refused {what}: {exc}") from exc
+                f"and the URL is right, or start the store with --backend memory")
+        # e.g. OOM under maxmemory with noeviction, or WRONGTYPE
+        return BackendUnavailable(f"Redis at {self.url} refused {what}: {exc}")
 
     @classmethod
     def _batches(cls, seq: Sequence):
@@ -260,54 +260,66 @@ class RedisBackend:
         return self._call("put", run)
 
     def get(self, keys: Sequence[str]) -> list[Optional[bytes]]:
-        def run() -> list[Optional[bytes]]:
-            out: list[Optional[bytes]] = []
-            for i in range(0, len(keys), self.GET_PIPELINE_KEYS):
-                out.extend(self._get_batch(keys[i:i + self.GET_PIPELINE_KEYS]))
-            return out
-        values = self._call("get", run)
-        found = sum(v is not None for v in values)
-        with self._counts_lock:
-            self._hits += found
-            self._misses += len(values) - found
-        return values
+        return list(self.iter_get(keys))
 
-    def _get_batch(self, keys: Sequence[str]) -> list[Optional[bytearray]]:
-        """GETs of `keys`, pipelined on one pooled connection, each value read
-        straight into a buffer of its own (redis_wire.BulkReplyReader says why)."""
+    def iter_get(self, keys: Sequence[str]) -> Iterator[Optional[bytearray]]:
+        """The values of `keys` in order, each read straight into a buffer of its
+        own (redis_wire.BulkReplyReader says why), while the next GETs are
+        already with Redis: the caller sends value i on as Redis answers i+1.
+        BackendUnavailable from the first value on; a caller that stops early
+        must close() the iterator (a for loop or garbage collection does)."""
+        if not keys:
+            return
         pool = self._client.connection_pool
+        conn, reader, first = self._start_gets(pool, keys)
+        found = yielded = 0
+        complete = False
+        try:
+            value = first
+            sent = min(len(keys), self.GET_PIPELINE_KEYS)
+            for read in range(1, len(keys) + 1):
+                found += value is not None
+                yielded += 1
+                yield value
+                if read == len(keys):
+                    break
+                if sent < len(keys):  # keep the window full before waiting on the next reply
+                    conn.send_packed_command(conn.pack_commands([("GET", keys[sent])]))
+                    sent += 1
+                value = reader.read(self._take_buffer)
+            if not reader.drained:
+                raise WireError("Redis sent more than the replies asked for")
+            complete = True
+        except (OSError, WireError, ReplyError, self._redis_error) as exc:  # OSError: timeouts too
+            raise self._unavailable("get", exc) from exc
+        finally:
+            if not complete:  # replies may still be on their way: the connection is out of step
+                conn.disconnect()
+            pool.release(conn)
+            with self._counts_lock:
+                self._hits += found
+                self._misses += yielded - found
+
+    def _start_gets(self, pool, keys: Sequence[str]):
+        """(connection, reader, first value) with the first GETs sent."""
         # Twice: after a Redis restart a pooled connection fails once on its dead
         # socket, and the second try connects afresh (GET can be repeated).
         for attempt in (1, 2):
-            conn = pool.get_connection()
+            conn = None
             try:
-                conn.send_packed_command(conn.pack_commands([("GET", key) for key in keys]))
+                conn = pool.get_connection()  # connects: raises if Redis is down
+                window = keys[:self.GET_PIPELINE_KEYS]
+                conn.send_packed_command(conn.pack_commands([("GET", key) for key in window]))
                 # redis-py has no public handle on the socket; its parser holds no
                 # bytes of ours (they are read here), so the connection stays usable.
                 reader = BulkReplyReader(conn._sock)
-                values: list[Optional[bytearray]] = []
-                refused: Optional[ReplyError] = None
-                for _ in keys:
-                    try:
-                        values.append(reader.read(self._take_buffer))
-                    except ReplyError as exc:  # e.g. WRONGTYPE: read the others, stay in step
-                        refused = refused or exc
-                        values.append(None)
-                if not reader.drained:
-                    raise WireError("Redis sent more than the replies asked for")
-                if refused is not None:
-                    raise self._reply_error(str(refused))
-                return values
-            except (OSError, WireError) as exc:  # includes socket timeouts
-                conn.disconnect()
-                if attempt == 2:
-                    raise self._connection_error(str(exc)) from exc
-            except self._errors:
-                conn.disconnect()
-                if attempt == 2:
-                    raise
-            finally:
-                pool.release(conn)
+                return conn, reader, reader.read(self._take_buffer)
+            except (OSError, WireError, ReplyError, self._redis_error) as exc:
+                if conn is not None:
+                    conn.disconnect()
+                    pool.release(conn)
+                if attempt == 2 or not isinstance(exc, (OSError, WireError, *self._errors)):
+                    raise self._unavailable("get", exc) from exc
         raise AssertionError("unreachable")
 
     def _take_buffer(self, size: int) -> bytearray:
