@@ -193,7 +193,7 @@ class RedisBackend:
     keeps_values = False  # a value's buffer is free again once put returns
     # Buffers of values read by get and handed back by release_values, kept
     # for the next get, at most this many bytes: fresh memory is zeroed and
-    # page-faulted in (about a millisecond per 2 MiB block), reused memory not.
+    # page-faulted in (see MemoryBackend.SPARE_BYTES), reused memory not.
     SPARE_BYTES = 128 * 1024 * 1024
     # Keys per EXISTS/DEL/SET pipeline: bounds one round trip.
     BATCH_KEYS = 16
@@ -259,7 +259,7 @@ class RedisBackend:
             return [True] * len(items)
         return self._call("put", run)
 
-    def get(self, keys: Sequence[str]) -> list[Optional[bytes]]:
+    def get(self, keys: Sequence[str]) -> list[Optional[bytearray]]:
         return list(self.iter_get(keys))
 
     def iter_get(self, keys: Sequence[str]) -> Iterator[Optional[bytearray]]:
