@@ -27,6 +27,7 @@ to move slow down then.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -183,6 +184,7 @@ def nixl_read(total: int) -> Iterator[Optional[Callable[[], None]]]:
     out, done = context.Queue(), context.Queue()
     target = context.Process(target=_nixl_target, args=(total, out, done), daemon=True)
     target.start()
+    agent = None
     try:
         metadata, descs = out.get(timeout=60)
         agent = api.nixl_agent("bench-kv-initiator", api.nixl_agent_config(backends=["UCX"]))
@@ -201,6 +203,11 @@ def nixl_read(total: int) -> Iterator[Optional[Callable[[], None]]]:
                 raise RuntimeError(f"NIXL read ended in state {state}")
         yield once
     finally:
+        # The agent's progress thread keeps polling while the agent lives, about
+        # a core: let it go now (the caller still holds `once`, which sees this
+        # cell), not when run() returns, or it slows every later row.
+        agent = None
+        gc.collect()
         done.put(None)
         target.join(10)
 

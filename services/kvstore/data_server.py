@@ -32,6 +32,7 @@ PUT_FLUSH_BYTES = 16 * 1024 * 1024
 # Keys per backend.get inside one GET: bounds the values held at once.
 GET_BATCH_KEYS = 16
 SOCKET_BUFFER_BYTES = 8 * 1024 * 1024
+_END = object()  # the end of a backend's iter_get
 
 
 def _put_delay_s() -> float:
@@ -214,6 +215,9 @@ class _Handler(socketserver.BaseRequestHandler):
 
     def _get(self, sock: socket.socket, keys: list[str]) -> None:
         backend, metrics = self.server.backend, self.server.metrics
+        if hasattr(backend, "iter_get"):
+            self._get_streamed(sock, keys)
+            return
         for start in range(0, max(len(keys), 1), GET_BATCH_KEYS):
             batch = keys[start:start + GET_BATCH_KEYS]
             try:
@@ -235,6 +239,39 @@ class _Handler(socketserver.BaseRequestHandler):
                 sock.sendall(value)
             if metrics is not None:
                 metrics.on_get(hits, len(values) - hits, sum(len(v) for v in values if v is not None))
+
+    def _get_streamed(self, sock: socket.socket, keys: list[str]) -> None:
+        """A GET from a backend that reads values from elsewhere (Redis): each
+        value is sent as soon as it is read, while the backend already waits on
+        the next ones, then its buffer is handed back for the next read."""
+        backend, metrics = self.server.backend, self.server.metrics
+        values = backend.iter_get(keys)
+        hits = misses = sent_bytes = 0
+        try:
+            try:
+                value = next(values, _END)
+            except BackendUnavailable as exc:
+                wire.send_failed(sock, str(exc))
+                return
+            sock.sendall(wire.OK)
+            while value is not _END:
+                if value is None:
+                    misses += 1
+                    sock.sendall(wire.FOUND_LEN.pack(-1))
+                else:
+                    hits += 1
+                    sent_bytes += len(value)
+                    sock.sendall(wire.FOUND_LEN.pack(len(value)))
+                    sock.sendall(value)
+                    backend.release_values([value])
+                try:
+                    value = next(values, _END)
+                except BackendUnavailable as exc:  # mid-reply: drop the connection
+                    raise wire.ProtocolError(f"the backend failed mid-reply: {exc}") from exc
+        finally:
+            values.close()  # a send that failed leaves replies in flight: the backend drops them
+            if metrics is not None and hits + misses:
+                metrics.on_get(hits, misses, sent_bytes)
 
     def _exists(self, sock: socket.socket, keys: list[str]) -> None:
         try:

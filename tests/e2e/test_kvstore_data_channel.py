@@ -164,3 +164,37 @@ def test_without_room_in_dev_shm_the_bytes_move_in_this_process(store, monkeypat
         assert arena[BLOCK:] == arena[:BLOCK]
     finally:
         client.close()
+
+
+def test_with_redis_blocks_stream_through_intact_and_a_redis_restart_is_unavailable_then_recovers():
+    # More blocks than the Redis backend keeps in flight and than one SET pipeline,
+    # misses between hits, then Redis restarted under a connected client.
+    from tests.support.redis_server import RedisServer
+
+    with RedisServer() as redis:
+        proc = start_store("--backend", redis.url)
+        try:
+            n = 40
+            writer = arena_client(proc.target, n)
+            keys = [f"r/{i}" for i in range(n)]
+            assert writer.put(items(keys)) == n
+            reader = arena_client(proc.target, n + 2)
+            asked = keys[:7] + ["r/none"] + keys[7:] + ["r/none2"]
+            found = reader.get(items(asked))
+            assert found == [True] * 7 + [False] + [True] * (n - 7) + [False]
+            assert reader.arena[:7 * BLOCK] == writer.arena[:7 * BLOCK]
+            assert reader.arena[8 * BLOCK:(n + 1) * BLOCK] == writer.arena[7 * BLOCK:n * BLOCK]
+
+            redis.restart()  # empty now; every pooled connection of the store is dead
+            assert reader.get(items(keys[:3])) == [False] * 3  # reconnected, nothing lost but the data
+            redis.stop()
+            with pytest.raises(KVStoreUnavailable, match="Redis"):
+                reader.get(items(keys[:3]))
+            with pytest.raises(KVStoreUnavailable, match="Redis"):
+                writer.put(items(keys[:3]))
+            redis.start()
+            assert writer.put(items(keys[:3])) == 3
+            assert reader.get(items(keys[:3])) == [True] * 3
+            assert reader.arena[:3 * BLOCK] == writer.arena[:3 * BLOCK]
+        finally:
+            proc.stop()

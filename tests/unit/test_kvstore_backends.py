@@ -159,6 +159,61 @@ def test_redis_down_raises_backend_unavailable_then_recovers(redis_server):
             redis_server.start()
 
 
+def test_redis_pipelined_large_values_round_trip_intact(redis_backend):
+    # More values than one SET pipeline or one GET pipeline, large enough to be
+    # sent from their own buffers, given as bytes, bytearrays and memoryviews.
+    n = RedisBackend.BATCH_KEYS * 2 + 3
+    values = [os.urandom(300_000 + i) for i in range(n)]
+    given = [v if i % 3 == 0 else bytearray(v) if i % 3 == 1 else memoryview(bytearray(v))
+             for i, v in enumerate(values)]
+    keys = [f"big/{i}" for i in range(n)]
+    assert redis_backend.put(list(zip(keys, given))) == [True] * n
+    asked = keys[:5] + ["big/none"] + keys[5:] + ["big/none2"]
+    got = redis_backend.get(asked)
+    assert [bytes(v) if v is not None else None for v in got] == values[:5] + [None] + values[5:] + [None]
+
+
+def test_redis_get_buffers_handed_back_are_reused_and_overwritten(redis_backend):
+    redis_backend.put([("a", b"1" * 100_000), ("b", b"2" * 100_000)])
+    (first,) = redis_backend.get(["a"])
+    redis_backend.release_values([first, None])
+    (second,) = redis_backend.get(["b"])
+    assert second is first and bytes(second) == b"2" * 100_000
+
+
+def test_redis_a_key_of_another_type_is_refused_and_the_connection_stays_in_step(redis_backend):
+    redis_backend._client.rpush("a-list", "x")
+    redis_backend.put([("k1", b"v1"), ("k2", b"v2")])
+    with pytest.raises(BackendUnavailable, match="refused"):
+        redis_backend.get(["k1", "a-list", "k2"])
+    assert redis_backend.get(["k2", "k1"]) == [b"v2", b"v1"]
+
+
+def test_redis_a_get_stream_closed_early_leaves_the_backend_in_step(redis_backend):
+    values = [os.urandom(200_000) for _ in range(6)]
+    redis_backend.put([(f"s/{i}", v) for i, v in enumerate(values)])
+    stream = redis_backend.iter_get([f"s/{i}" for i in range(6)])
+    assert bytes(next(stream)) == values[0]  # later GETs are in flight now
+    stream.close()  # e.g. the client went away mid-reply
+    assert [bytes(v) for v in redis_backend.get(["s/5", "s/4"])] == [values[5], values[4]]
+
+
+def test_redis_restarted_between_calls_is_reconnected_without_an_error(redis_server):
+    backend = RedisBackend(redis_server.url)
+    try:
+        backend.put([("k", os.urandom(100_000))])
+        assert backend.get(["k"])[0] is not None  # a pooled connection now exists
+        redis_server.restart()  # that connection is dead; the first call's retry reconnects
+        assert backend.get(["k"]) == [None]
+        value = os.urandom(100_000)
+        assert backend.put([("k", value)]) == [True]
+        assert backend.get(["k"]) == [value]
+    finally:
+        backend.close()
+        if not redis_server.running:
+            redis_server.start()
+
+
 def test_memory_backend_reuses_a_dropped_buffer_but_never_one_still_being_read():
     backend = MemoryBackend(capacity_bytes=10_000)
     first = backend.take_buffer(1000)
