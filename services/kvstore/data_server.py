@@ -127,6 +127,7 @@ class _Handler(socketserver.BaseRequestHandler):
         backend, metrics = self.server.backend, self.server.metrics
         copied = bytearray(len(keys))
         hits = misses = nbytes = 0
+        release = getattr(backend, "release_values", None)  # buffers the backend wants back once copied
         try:
             for start in range(0, len(keys), GET_BATCH_KEYS):
                 values = backend.get(keys[start:start + GET_BATCH_KEYS])
@@ -139,6 +140,8 @@ class _Handler(socketserver.BaseRequestHandler):
                         copy(views[i], memoryview(value))
                         copied[i] = 1
                         nbytes += len(value)
+                if release is not None:
+                    release(values)
         except BackendUnavailable as exc:
             wire.send_failed(sock, str(exc))
             return

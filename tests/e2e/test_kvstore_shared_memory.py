@@ -179,3 +179,25 @@ def test_callers_of_one_mover_each_get_their_own_answers(store):
         assert not failures, failures[:3]
     finally:
         client.close()
+
+
+def test_a_redis_backed_store_on_this_host_uses_shared_memory_too():
+    from tests.support.redis_server import RedisServer
+
+    with RedisServer() as redis:
+        metrics_port = free_port()
+        proc = start_store("--backend", redis.url, "--metrics-port", str(metrics_port))
+        proc.metrics_port = metrics_port
+        client, segment = shared_client(proc.target, 6)
+        try:
+            sent = bytes(segment.view[:3 * BLOCK])
+            assert client.put(items(["r0", "r1", "r2"])) == 3
+            assert client.get(items(["r0", "r1", "missing", "r2"], first_slot=2)) == [True, True, False, True]
+            view = segment.view
+            assert bytes(view[2 * BLOCK:4 * BLOCK]) == sent[:2 * BLOCK]
+            assert bytes(view[5 * BLOCK:6 * BLOCK]) == sent[2 * BLOCK:]
+            assert client._attached and series(proc)[SHARED] == 6 * BLOCK
+        finally:
+            client.close()
+            segment.close()
+            proc.stop()
