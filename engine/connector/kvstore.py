@@ -22,6 +22,7 @@ is visible only once whole, so a block is never read half-written.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Mapping, Optional, Sequence
@@ -34,12 +35,16 @@ from tandem.engine.connector.store_plan import Prefetched, StoreLoad, StoreMeta,
 
 log = logging.getLogger(__name__)
 
+
 # The staging arena: room for this many blocks, and at most this many bytes
 # (a prefill step of 8192 tokens saves 512 blocks of 16; Llama-3-8B's are 2 MiB).
 STAGING_SLOTS = 1024
 STAGING_MAX_BYTES = 1 << 30
 # How long a step's saves wait for slots that earlier saves still use.
 SAVE_SLOT_WAIT_S = 5.0
+# Puts of a step's saves: pieces of this many blocks (64 MiB of Llama-3-8B), this many at once.
+PUT_CHUNK_BLOCKS = 32
+SAVE_THREADS = 4
 # The key, in a prefill's kv_transfer_params and a decode's, of the blocks the
 # prefill was still writing when it answered: (first block index, count).
 WRITE_KEY = "kv_store_write"
@@ -51,6 +56,15 @@ WRITE_POLL_S = (0.001, 0.008)  # first and longest pause between lookups while w
 
 def block_key(block_hash: bytes) -> str:
     return block_hash.hex()
+
+
+class _StepSave:
+    """A step's saves while their pieces are being put (counted under the stats lock)."""
+
+    __slots__ = ("staged_at", "pieces")
+
+    def __init__(self, staged_at: float, pieces: int) -> None:
+        self.staged_at, self.pieces = staged_at, pieces
 
 
 class KVStoreConnector(KVConnector):
@@ -66,8 +80,12 @@ class KVStoreConnector(KVConnector):
         self._prefetches: dict[str, Future] = {}
         # Loads of requests admitted by the schedule() under way: build_meta moves them into the meta.
         self._admitted: list[StoreLoad] = []
-        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-save")
-        self._saves: list[Future] = []  # puts not yet counted in stats
+        # A step's saves go out in pieces of PUT_CHUNK_BLOCKS, several at once:
+        # the store copies each on a connection (and a core) of its own, and
+        # each piece's slots come back as soon as it is stored.
+        self._saver = ThreadPoolExecutor(max_workers=SAVE_THREADS, thread_name_prefix="kv-save")
+        self._saves: list[Future] = []  # puts still running
+        self._stats_lock = threading.Lock()  # the saver threads count into self.stats
         # Prompt blocks each unfinished request had staged for the store: [first, last).
         self._written: dict[str, tuple[int, int]] = {}
 
@@ -338,25 +356,32 @@ class KVStoreConnector(KVConnector):
                 copied.record()
                 meta.save_on_device = None  # its memory is reused only by later work on this stream
             keys = [block_key(h) for s in meta.saves for h in s.block_hashes]
-            self._saves.append(self._saver.submit(self._put, keys, meta.save_slot, self._save_started, copied))
+            step = _StepSave(staged_at=self._save_started, pieces=-(-len(keys) // PUT_CHUNK_BLOCKS))
+            for i in range(0, len(keys), PUT_CHUNK_BLOCKS):
+                self._saves.append(self._saver.submit(
+                    self._put, keys[i:i + PUT_CHUNK_BLOCKS], meta.save_slot + i, step, copied))
 
-    def _put(self, keys: list[str], slot: int, staged_at: float, copied=None) -> None:
-        """Store the staged blocks (on the saver thread, the only writer of the
-        save counters), once `copied` (a CUDA event, when the copies into the
-        arena were queued) has passed. Their slots go back either way."""
+    def _put(self, keys: list[str], slot: int, step: "_StepSave", copied=None) -> None:
+        """Store one piece of a step's staged blocks (on a saver thread), once
+        `copied` (a CUDA event, when the copies into the arena were queued)
+        has passed. Its slots go back either way."""
+        stored = 0
         try:
             if copied is not None:
                 copied.synchronize()
             stored = self.client.put(self.arena.items(keys, slot))
         except Exception as exc:  # the decode side will recompute; never fail the request
-            self.stats.save_failures += 1
             log.warning("KV save failed: %s", exc)
-            return
+            with self._stats_lock:
+                self.stats.save_failures += 1
         finally:
             self.arena.free(slot, len(keys))
-        self.stats.save_blocks += stored
-        self.stats.save_bytes += stored * self.layout.block_bytes
-        self.stats.save_seconds += time.monotonic() - staged_at  # from the step's first staged layer
+        with self._stats_lock:
+            self.stats.save_blocks += stored
+            self.stats.save_bytes += stored * self.layout.block_bytes
+            step.pieces -= 1
+            if step.pieces == 0:  # the step's last piece: from its first staged layer until all stored
+                self.stats.save_seconds += time.monotonic() - step.staged_at
 
     def wait_for_save(self) -> None:
         """The step's saves are staged (save_layer copied every layer): the
