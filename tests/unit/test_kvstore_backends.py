@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import time
+
 import pytest
 
 from tandem.services.kvstore.backends import (BackendUnavailable, MemoryBackend, RedisBackend,
@@ -215,7 +217,7 @@ def test_redis_restarted_between_calls_is_reconnected_without_an_error(redis_ser
 
 
 def test_memory_backend_reuses_a_dropped_buffer_but_never_one_still_being_read():
-    backend = MemoryBackend(capacity_bytes=10_000)
+    backend = MemoryBackend(capacity_bytes=10_000, prefault_bytes=0)  # only dropped buffers come back
     first = backend.take_buffer(1000)
     first[:] = b"a" * 1000
     backend.put([("k", first)])
@@ -228,3 +230,21 @@ def test_memory_backend_reuses_a_dropped_buffer_but_never_one_still_being_read()
     reused = backend.take_buffer(1000)
     assert bytes(reused) == b"b" * 1000  # the spare came back (its bytes are overwritten by the next value)
     assert backend.get(["k"]) == [bytearray(b"c" * 1000)]
+
+
+def test_the_memory_backend_faults_buffers_in_ahead_of_the_puts_that_need_them():
+    from tandem.services.kvstore.buffer_reserve import BufferReserve
+
+    reserve = BufferReserve(max_bytes=64 * 4096, prefault_bytes=16 * 4096)
+    try:
+        first = reserve.take(4096)  # nothing ready yet: a fresh buffer; the size to fault in is now known
+        assert len(first) == 4096
+        deadline = time.monotonic() + 10
+        while reserve.num_bytes < 16 * 4096 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert reserve.num_bytes == 16 * 4096  # filled up to prefault_bytes, not beyond
+        ready = [reserve.take(4096) for _ in range(16)]
+        assert all(len(b) == 4096 and bytes(b[:8]) == bytes(8) for b in ready)
+        assert all(reserve.give(b) for b in ready[:8])  # dropped buffers come back, within max_bytes
+    finally:
+        reserve.close()
