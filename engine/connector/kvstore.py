@@ -42,6 +42,10 @@ STAGING_SLOTS = 1024
 STAGING_MAX_BYTES = 1 << 30
 # How long a step's saves wait for slots that earlier saves still use.
 SAVE_SLOT_WAIT_S = 5.0
+# How long a background fetch waits for slots (other fetches' and the saves'
+# come back as their requests are admitted and their puts land); the request
+# waits outside the batch meanwhile, and computes its blocks after that.
+PREFETCH_SLOT_WAIT_S = 2.0
 # Puts of a step's saves: pieces of this many blocks (64 MiB of Llama-3-8B), this many at once.
 PUT_CHUNK_BLOCKS = 32
 SAVE_THREADS = 4
@@ -141,7 +145,7 @@ class KVStoreConnector(KVConnector):
             return Prefetched(first_block=first)
         # Prefetches leave a quarter of the arena to the saves: requests waiting
         # for admission must not take every slot a step's saves need.
-        return self._load(first, candidates[:n], keep_free=self.arena.num_slots // 4)
+        return self._load(first, candidates[:n], keep_free=self.arena.num_slots // 4, wait_s=PREFETCH_SLOT_WAIT_S)
 
     def _wait_for_writes(self, keys: list[str]) -> None:
         """Until the store holds every key, for WRITE_WAIT_S at most (then the
@@ -162,10 +166,10 @@ class KVStoreConnector(KVConnector):
             keys = missing
         self.stats.write_wait_seconds += time.monotonic() - started
 
-    def _load(self, first: int, hashes: list[bytes], keep_free: int = 0) -> Prefetched:
+    def _load(self, first: int, hashes: list[bytes], keep_free: int = 0, wait_s: float = 0.0) -> Prefetched:
         """These blocks from the store into arena slots (every layer of each)."""
         started = time.monotonic()
-        slot = self.arena.alloc(len(hashes), keep_free=keep_free)
+        slot = self.arena.alloc(len(hashes), wait_s=wait_s, keep_free=keep_free)
         if slot is None:
             log.warning("KV staging arena full (%d slots): computing %d blocks locally",
                         self.arena.num_slots, len(hashes))

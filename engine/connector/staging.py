@@ -76,16 +76,16 @@ class StagingArena:
         """The first of n contiguous free slots, or None when there are none
         (after waiting up to wait_s for frees), or when taking them would leave
         fewer than keep_free slots free."""
-        if n <= 0 or n > self.num_slots:
+        if n <= 0 or n > self.num_slots - keep_free:
             return None
+
+        def room() -> bool:
+            return self._num_free() - n >= keep_free and self._fits(n)
         with self._lock:
-            if self._num_free() - n < keep_free:
-                return None
-            start = self._take(n)
-            if start is None and wait_s > 0:
-                self._lock.wait_for(lambda: self._fits(n), timeout=wait_s)
-                start = self._take(n)
-            return start
+            if not room() and wait_s > 0:
+                # Puts and loads under way give their slots back as they end.
+                self._lock.wait_for(room, timeout=wait_s)
+            return self._take(n) if room() else None
 
     def _num_free(self) -> int:
         return sum(length for _, length in self._free)

@@ -59,3 +59,18 @@ def test_an_allocation_may_leave_slots_for_others():
     a = arena(layout(), slots=8)
     assert a.alloc(5, keep_free=4) is None and a.num_free == 8
     assert a.alloc(4, keep_free=4) == 0 and a.alloc(4) == 4
+
+
+def test_an_allocation_waits_for_slots_that_are_still_in_use():
+    """A step's saves wait for the slots earlier puts still hold (they come back
+    as each put lands), even when fewer than they need are free right now."""
+    import threading
+    import time
+
+    a = arena(layout(), slots=8)
+    held = a.alloc(6)  # an earlier step's saves, still being put
+    threading.Timer(0.2, a.free, args=(held, 6)).start()
+    started = time.monotonic()
+    assert a.alloc(7, wait_s=5.0) == 0
+    assert 0.15 < time.monotonic() - started < 4.0
+    assert a.alloc(2, wait_s=0.1) is None  # and gives up after wait_s
