@@ -5,8 +5,9 @@ costs a page fault per 4 KiB while the bytes come in: on the H100's host a
 cold store took saves at 1.5 GB/s where reused buffers took 10 GB/s
 (docs/benchmarks.md). So the reserve keeps buffers of the size puts ask for
 (a model's block value) already faulted in, up to `prefault_bytes`, filled
-by a thread of its own between bursts, plus the buffers of values the store
-dropped (replaced or evicted), up to `max_bytes` in all.
+by threads of their own (FILL_THREADS: one faults in 1.5-3 GB/s, a burst of
+saves asks for more), plus the buffers of values the store dropped (replaced
+or evicted), up to `max_bytes` in all.
 
 Buffers are anonymous memory maps: their pages are faulted by a memset that
 runs without the GIL (ctypes), so filling the reserve, and filling a fresh
@@ -19,6 +20,8 @@ import ctypes
 import mmap
 import threading
 from typing import Optional
+
+FILL_THREADS = 4
 
 
 def fresh_buffer(size: int):
@@ -45,7 +48,8 @@ class BufferReserve:
         self._size: Optional[int] = None  # the size puts asked for last: the one to fault in ahead
         self._closed = False
         self._lock = threading.Condition()
-        self._filler: Optional[threading.Thread] = None
+        self._fillers: list[threading.Thread] = []
+        self._filling = 0  # bytes the fillers are faulting in now (counted against prefault_bytes)
 
     def take(self, size: int):
         """A buffer of `size` bytes: a ready one, else a fresh one."""
@@ -55,10 +59,12 @@ class BufferReserve:
             buffer = spare.pop() if spare else None
             if buffer is not None:
                 self._bytes -= size
-            if self.prefault_bytes > 0 and self._filler is None:
-                self._filler = threading.Thread(target=self._fill, name="kvstore-reserve", daemon=True)
-                self._filler.start()
-            self._lock.notify()
+            if self.prefault_bytes > 0 and not self._fillers:
+                self._fillers = [threading.Thread(target=self._fill, name=f"kvstore-reserve-{i}", daemon=True)
+                                 for i in range(FILL_THREADS)]
+                for filler in self._fillers:
+                    filler.start()
+            self._lock.notify_all()
         return buffer if buffer is not None else fresh_buffer(size)
 
     def give(self, buffer) -> bool:
@@ -83,12 +89,19 @@ class BufferReserve:
             self._lock.notify_all()
 
     def _fill(self) -> None:
+        def wanted() -> bool:
+            return self._closed or self._bytes + self._filling + self._size <= self.prefault_bytes
         while True:
             with self._lock:
-                self._lock.wait_for(lambda: self._closed or self._bytes + self._size <= self.prefault_bytes)
+                self._lock.wait_for(wanted)
                 if self._closed:
                     return
                 size = self._size
+                self._filling += size
             buffer = fresh_buffer(size)
             fault_in(buffer)
-            self.give(buffer)  # refused only when recycled buffers filled the reserve meanwhile
+            with self._lock:  # one step: another filler must not count this buffer as missing
+                self._filling -= size
+                if self._bytes + size <= self.max_bytes:  # no room only if dropped buffers filled it meanwhile
+                    self._free.setdefault(size, []).append(buffer)
+                    self._bytes += size
