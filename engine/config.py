@@ -93,6 +93,9 @@ class EngineConfig:
     # Direct transfer: seconds a prefill keeps a finished prompt's blocks for
     # the decode to copy when nobody releases them earlier.
     kv_hold_timeout_s: float = 30.0
+    # Store transfer: bytes of the staging arena blocks pass through (shared
+    # memory, pinned on CUDA): a step's saves and the loads under way.
+    kv_staging_bytes: int = 1 << 30
 
     def with_defaults(self) -> "EngineConfig":
         """A copy with every device-dependent default (None) decided."""
@@ -112,7 +115,7 @@ class EngineConfig:
 
 # The settings of moving KV between engines: commands that run one engine
 # offline (generate, the benchmarks) leave their flags out.
-KV_TRANSFER_FIELDS = ("kv_transfer", "kv_store", "kv_hold_timeout")
+KV_TRANSFER_FIELDS = ("kv_transfer", "kv_store", "kv_hold_timeout", "kv_staging_gib")
 
 
 class ConfigError(ValueError):
@@ -213,6 +216,11 @@ class EngineArgs:
     kv_hold_timeout: float = flag_field(
         30.0, "with --kv-transfer direct or nixl, prefill: seconds a prompt's blocks wait for the "
         "decode to copy them when the router does not release them earlier", group=_KV)
+    kv_staging_gib: float = flag_field(
+        1.0, "with --kv-transfer store: GiB of the shared-memory arena KV blocks pass through to and "
+        "from the store (a full prefill step's saves, loads under way). A step waits for room, so "
+        "give room for two steps' saves on a GPU (2-4 GiB for Llama-3-8B at 8,192 tokens a step); "
+        "it lives in /dev/shm (the Helm chart's sharedMemory.sizeLimit must hold it)", group=_KV)
     kv_role: KVRole = internal_field(
         "both", why="set by the role: prefill saves and loads (both), decode loads (consumer)")
 
@@ -267,6 +275,7 @@ class EngineArgs:
             kv_transfer=None if self.kv_transfer in ("none", None) else self.kv_transfer,
             kv_role=self.kv_role,
             kv_hold_timeout_s=self.kv_hold_timeout,
+            kv_staging_bytes=int(self.kv_staging_gib * (1 << 30)),
         )
 
     def _check(self) -> None:
@@ -281,7 +290,8 @@ class EngineArgs:
                 raise ConfigError(f"{spec.flag}: {value!r} is not one of "
                                   + ", ".join(map(str, spec.choices)))
         positive = ("block_size", "num_blocks", "max_model_len", "max_num_batched_tokens",
-                    "max_num_seqs", "staging_queue_size", "cpu_kv_cache_gib", "kv_hold_timeout")
+                    "max_num_seqs", "staging_queue_size", "cpu_kv_cache_gib", "kv_hold_timeout",
+                    "kv_staging_gib")
         for name in positive:
             value = getattr(self, name)
             if value is not None and value <= 0:

@@ -144,7 +144,7 @@ class LLMEngine:
             if kv_store is None:
                 raise ValueError("kv_transfer 'store' needs a KV store: pass kv_store= (a "
                                  "tandem.services.kvstore.client.KVStoreClient, or any KVStore)")
-            return KVStoreConnector(role, layout, kv_store)
+            return KVStoreConnector(role, layout, kv_store, staging_bytes=self.config.kv_staging_bytes)
         if kind == "direct":
             from tandem.engine.connector.direct import DirectConnector
 

@@ -36,10 +36,11 @@ from tandem.engine.connector.store_plan import Prefetched, StoreLoad, StoreMeta,
 log = logging.getLogger(__name__)
 
 
-# The staging arena: room for this many blocks, and at most this many bytes
-# (a prefill step of 8192 tokens saves 512 blocks of 16; Llama-3-8B's are 2 MiB).
-STAGING_SLOTS = 1024
-STAGING_MAX_BYTES = 1 << 30
+# The staging arena: at most this many blocks, in the bytes the engine gives
+# it (--kv-staging-gib; a prefill step of 8192 tokens saves 512 blocks of 16,
+# Llama-3-8B's are 2 MiB).
+STAGING_SLOTS = 4096
+STAGING_BYTES = 1 << 30
 # How long a step's saves wait for slots that earlier saves still use.
 SAVE_SLOT_WAIT_S = 5.0
 # How long a background fetch waits for slots (other fetches' and the saves'
@@ -72,12 +73,12 @@ class _StepSave:
 
 
 class KVStoreConnector(KVConnector):
-    def __init__(self, role: str, layout: KVCacheLayout, store: KVStore) -> None:
+    def __init__(self, role: str, layout: KVCacheLayout, store: KVStore, staging_bytes: int = STAGING_BYTES) -> None:
         super().__init__(role, layout)
         self.client = store
         self.block_size = layout.block_size
         slot = StagingArena.slot_size(layout)
-        num_slots = max(1, min(STAGING_SLOTS, STAGING_MAX_BYTES // slot))
+        num_slots = max(1, min(STAGING_SLOTS, staging_bytes // slot))
         self.arena = StagingArena(store.open_arena(num_slots * slot), layout)
         # Background fetches (decode and prefill alike): request id -> future of Prefetched.
         self._loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-prefetch")

@@ -198,3 +198,13 @@ def test_writes_that_never_land_in_time_are_recomputed(model_dir, store, monkeyp
     plain = engine(model_dir, None)
     plain.add_request("plain", prompt, GREEDY)
     assert got == run_to_end(plain, "plain")
+
+
+def test_the_staging_arena_has_the_room_the_engine_gives_it(model_dir, store):
+    small = LLMEngine(EngineConfig(
+        model=ModelConfig(model=model_dir, dtype="float32"), cache=CacheConfig(num_blocks=64),
+        device="cpu", kv_transfer="store", kv_role="both", kv_staging_bytes=1 << 20),
+        kv_store=BlockStoreClient(store.target, timeout_s=5.0))
+    arena = small.connector.arena
+    assert arena.num_slots == (1 << 20) // arena.slot_bytes
+    assert engine(model_dir, store.target).connector.arena.num_slots > arena.num_slots  # the 1 GiB default

@@ -119,6 +119,7 @@ def test_kv_store_is_needed_with_store_and_refused_without():
     ({"dtype": "bf16"}, "--dtype: 'bf16' is not one of auto, float32, float16, bfloat16"),
     ({"long_prefill_token_threshold": -1}, "--long-prefill-token-threshold: must be 0"),
     ({"attention_backend": "triton", "device": "cpu"}, "--attention-backend triton needs CUDA"),
+    ({"kv_staging_gib": 0}, "--kv-staging-gib: must be above 0, got 0"),
 ])
 def test_a_bad_setting_names_its_flag(kwargs, message):
     with pytest.raises(ConfigError, match=message):
@@ -133,6 +134,8 @@ def test_engine_config_carries_every_setting():
             config.scheduler.staging_queue_size) == (64, 32, 4)
     assert config.cache.cpu_kv_cache_gib == 0.5 and config.kv_hold_timeout_s == 5.0
     assert config.attention_backend == "torch" and config.model.model == DEFAULT_MODEL
+    staged = parse("--kv-transfer", "store", "--kv-store", "h:1", "--kv-staging-gib", "2.5").create_engine_config()
+    assert staged.kv_staging_bytes == int(2.5 * 2**30)
 
 
 def test_llm_names_unknown_options_before_loading_anything():
