@@ -62,6 +62,9 @@ export PYTHONUNBUFFERED=1
 # The memory KV store holds every prompt's blocks until the LRU evicts them: give it room
 # (128 KiB per token for Llama-3-8B in bf16). TANDEM_CAPACITY_BYTES is --capacity-bytes' env twin.
 export TANDEM_CAPACITY_BYTES=${TANDEM_CAPACITY_BYTES:-48GiB}
+# Room in each engine's staging arena for about three full steps' saves (--kv-staging-gib):
+# with one, a prefill step waits for the last step's puts (docs/benchmarks.md).
+export TANDEM_KV_STAGING_GIB=${TANDEM_KV_STAGING_GIB:-3}
 [[ $DEVICE == cuda ]] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $PY -c "import torch, grpc; print('torch', torch.__version__, 'grpcio', grpc.__version__)"
 
