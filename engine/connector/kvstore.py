@@ -90,7 +90,7 @@ class KVStoreConnector(KVConnector):
         # each piece's slots come back as soon as it is stored.
         self._saver = ThreadPoolExecutor(max_workers=SAVE_THREADS, thread_name_prefix="kv-save")
         self._saves: list[Future] = []  # puts still running
-        self._stats_lock = threading.Lock()  # the saver threads count into self.stats
+        self._stats_lock = threading.Lock()  # the saver and loader threads count into self.stats
         # Prompt blocks each unfinished request had staged for the store: [first, last).
         self._written: dict[str, tuple[int, int]] = {}
 
@@ -160,12 +160,14 @@ class KVStoreConnector(KVConnector):
             if time.monotonic() - started + pause > WRITE_WAIT_S:
                 log.warning("KV store: %d of %d blocks a prefill was writing had not landed after %.1fs; "
                             "computing what is missing", len(missing), len(keys), WRITE_WAIT_S)
-                self.stats.write_wait_timeouts += 1
+                with self._stats_lock:  # two loader threads count here
+                    self.stats.write_wait_timeouts += 1
                 break
             time.sleep(pause)
             pause = min(pause * 2, WRITE_POLL_S[1])
             keys = missing
-        self.stats.write_wait_seconds += time.monotonic() - started
+        with self._stats_lock:
+            self.stats.write_wait_seconds += time.monotonic() - started
 
     def _load(self, first: int, hashes: list[bytes], keep_free: int = 0, wait_s: float = 0.0) -> Prefetched:
         """These blocks from the store into arena slots (every layer of each)."""
