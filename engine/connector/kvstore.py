@@ -35,7 +35,6 @@ from tandem.engine.connector.store_plan import Prefetched, StoreLoad, StoreMeta,
 
 log = logging.getLogger(__name__)
 
-
 # The staging arena: at most this many blocks, in the bytes the engine gives
 # it (--kv-staging-gib; a prefill step of 8192 tokens saves 512 blocks of 16,
 # Llama-3-8B's are 2 MiB).
