@@ -29,7 +29,7 @@ moves its bytes once, recomputing it runs the whole model over its tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Sequence
 
 from tandem.engine.block_pool import KVCacheBlock
 from tandem.engine.host_kv_tier import HostKVTier

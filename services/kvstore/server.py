@@ -14,7 +14,6 @@ import argparse
 import logging
 import re
 import signal
-import sys
 import threading
 from contextlib import contextmanager
 from typing import Iterator, Optional

@@ -9,7 +9,6 @@ import collections
 import random
 
 import pytest
-import torch
 
 from tandem.engine import LLM, SamplingParams
 from tests.support.hf_oracle import compare_with_tie_rule, embedded_hf_model, hf_greedy, tiny_model_dir
