@@ -76,6 +76,11 @@ class KVStore(Protocol):
     def close(self) -> None: ...
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as handles and block headers name it ("bfloat16")."""
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass(frozen=True)
 class KVCacheLayout:
     """The engine's KV cache as a connector needs to know it: one tensor
@@ -106,6 +111,21 @@ class KVCacheLayout:
         """Bytes of one block across all layers (K and V)."""
         return (2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
                 * self.dtype.itemsize)
+
+    @property
+    def dtype_name(self) -> str:
+        return dtype_name(self.dtype)
+
+    def check_peer(self, model: str, shape: tuple[int, ...], dtype: str) -> None:
+        """Raises ValueError unless another engine's cache (its model key, shape
+        and dtype name) holds blocks this one can take: the same model and
+        precision, and the same layout but for the number of blocks."""
+        if model != self.model_key:
+            raise ValueError(f"KV of another model or dtype ({model!r})")
+        shape = tuple(shape)
+        if shape[:2] + shape[3:] != self.shape[:2] + self.shape[3:] or dtype != self.dtype_name:
+            raise ValueError(f"cache layout {shape} {dtype} does not match this engine's "
+                             f"{self.shape} {self.dtype}")
 
 
 @dataclass

@@ -34,8 +34,7 @@ import numpy as np
 import torch
 
 from tandem.engine.connector.base import ConnectorMeta, KVCacheLayout, KVConnector
-from tandem.engine.connector.shared_cache import (ExportedKVCache, KVExport, OpenedKVCache, dtype_name,
-                                                  open_export)
+from tandem.engine.connector.shared_cache import ExportedKVCache, KVExport, OpenedKVCache, open_export
 from tandem.engine.request import RequestStatus
 
 log = logging.getLogger(__name__)
@@ -120,23 +119,13 @@ class DirectConnector(KVConnector):
         self._last_used[name] = time.monotonic()
         if name not in self._opened:
             try:
-                self._check_layout(handle)
+                self.layout.check_peer(handle.model, handle.export.shape, handle.export.dtype)
                 self._opened[name] = open_export(handle.export)
             except Exception as exc:
                 log.warning("cannot read the prefill's KV cache %s directly, computing prompts "
                             "from it here: %s", name, exc)
                 self._opened[name] = None
         return self._opened[name]
-
-    def _check_layout(self, handle: DirectHandle) -> None:
-        own = self.layout
-        if handle.model != own.model_key:
-            raise ValueError(f"KV of another model or dtype ({handle.model!r})")
-        theirs = tuple(handle.export.shape)
-        if theirs[:2] + theirs[3:] != own.shape[:2] + own.shape[3:] or \
-                handle.export.dtype != dtype_name(own.dtype):
-            raise ValueError(f"cache layout {theirs} {handle.export.dtype} does not match this engine's "
-                             f"{own.shape} {own.dtype}")
 
     def get_num_new_matched_tokens(self, request, num_local_hit_tokens: int) -> int:
         handle: Optional[DirectHandle] = request.kv_transfer_params.get(HANDLE_KEY)

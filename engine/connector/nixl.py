@@ -125,7 +125,7 @@ class NixlConnector(KVConnector):
         layout = self.layout
         handle = NixlHandle(
             agent=self.agent_name, metadata=self._metadata, model=layout.model_key, shape=layout.shape,
-            dtype=str(layout.dtype).removeprefix("torch."), mem_type=self._mem_type, device=self._device,
+            dtype=layout.dtype_name, mem_type=self._mem_type, device=self._device,
             cache_address=self.kv_cache.data_ptr(), generations_address=self._generations.data_ptr(),
             block_ids=ids, generations=self._generations[ids].tolist())
         return len(ids), {HANDLE_KEY: handle}
@@ -145,13 +145,7 @@ class NixlConnector(KVConnector):
     def _usable(self, handle: NixlHandle) -> bool:
         if handle.agent not in self._remotes:
             try:
-                own = self.layout
-                if handle.model != own.model_key:
-                    raise ValueError(f"KV of another model or dtype ({handle.model!r})")
-                if (tuple(handle.shape[:2] + handle.shape[3:]) != own.shape[:2] + own.shape[3:]
-                        or handle.dtype != str(own.dtype).removeprefix("torch.")):
-                    raise ValueError(f"cache layout {handle.shape} {handle.dtype} does not match this "
-                                     f"engine's {own.shape} {own.dtype}")
+                self.layout.check_peer(handle.model, handle.shape, handle.dtype)
                 self.agent.add_remote_agent(handle.metadata)
                 self._remotes[handle.agent] = True
             except Exception as exc:

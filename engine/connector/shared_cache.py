@@ -28,14 +28,12 @@ from typing import Optional
 import numpy as np
 import torch
 
+from tandem.engine.connector.base import dtype_name
+
 log = logging.getLogger(__name__)
 
 SEGMENT_PREFIX = "tandem-kv-"  # every segment this module creates is named so
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
