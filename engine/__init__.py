@@ -19,6 +19,7 @@ _EXPORTS = {
     "EngineStats": "llm_engine", "LLMEngine": "llm_engine", "RequestOutput": "outputs",
     "AsyncLLMEngine": "async_engine", "EngineDeadError": "async_engine",
     "LLM": "llm", "CompletionOutput": "llm", "GenerateOutput": "llm",
+    "StructuredOutputs": "structured_outputs",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -96,6 +96,9 @@ class EngineConfig:
     # Store transfer: bytes of the staging arena blocks pass through (shared
     # memory, pinned on CUDA): a step's saves and the loads under way.
     kv_staging_bytes: int = 1 << 30
+    # The grammar library of structured outputs (engine/grammar.py); only
+    # xgrammar for now, so it is not a flag yet.
+    structured_outputs_backend: str = "xgrammar"
 
     def with_defaults(self) -> "EngineConfig":
         """A copy with every device-dependent default (None) decided."""

@@ -21,10 +21,11 @@ from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.kv_swapper import KVSwapper
 from tandem.engine.loader import ModelInfo, load_model_info
 from tandem.engine.model_runner import ModelRunner
-from tandem.engine.outputs import RequestOutput, take_external_tokens
-from tandem.engine.request import Request, SamplingParams, SamplingParamsError
+from tandem.engine.outputs import RequestOutput, request_output, take_external_tokens
+from tandem.engine.request import Request, RequestStatus, SamplingParams, SamplingParamsError
 from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import Scheduler
+from tandem.engine.structured_output_manager import StructuredOutputManager
 
 __all__ = ["EngineStats", "LLMEngine", "RequestOutput", "StepTimes"]
 
@@ -120,6 +121,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.connector, self.max_model_len,
                                    config.kv_hold_timeout_s, self.swapper)
         self.eos_token_id = self._eos_token_id()
+        self.structured = StructuredOutputManager(self._grammar_backend, self.info.hf_config.vocab_size,
+                                                  pin_memory=self.runner.device.type == "cuda")
         self.last_step_empty = False
         self.step_times = StepTimes()
         # Outputs produced outside a model step (a decode's first tokens that
@@ -133,6 +136,15 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = self.tokenizer.eos_token_id
         return eos
+
+    def _grammar_backend(self):
+        from tandem.engine.grammar import new_backend
+
+        if self.tokenizer is None:
+            raise RuntimeError("structured outputs need the model's tokenizer; this engine has none")
+        stop = [self.eos_token_id] if self.eos_token_id is not None else []
+        return new_backend(self.config.structured_outputs_backend, self.tokenizer,
+                           self.info.hf_config.vocab_size, stop)
 
     def _make_connector(self, layout, kv_store: Optional[KVStore]) -> Optional[KVConnector]:
         kind, role = self.config.kv_transfer, self.config.kv_role
@@ -178,6 +190,11 @@ class LLMEngine:
             raise SamplingParamsError(f"first_token_ids: token ids must be integers in [0, {vocab})")
         if any(t >= vocab for t in params.stop_token_ids):
             raise SamplingParamsError(f"stop_token_ids: token ids must be in [0, {vocab})")
+        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
+            raise SamplingParamsError(f"logit_bias: token ids must be in [0, {vocab})")
+        if params.structured_outputs is not None and self.tokenizer is None:
+            raise SamplingParamsError("structured_outputs: this engine has no tokenizer to build "
+                                      "the grammar with")
         self._check_min_tokens_leave_a_token(params, vocab)
         num_prompt = len(prompt_token_ids)
         if num_prompt + len(first) >= self.max_model_len:
@@ -191,7 +208,7 @@ class LLMEngine:
             raise SamplingParamsError(
                 f"max_tokens: prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"the model's context of {self.max_model_len} tokens")
-        if request_id in self.scheduler.requests:
+        if request_id in self.scheduler.requests or request_id in self.structured:
             raise SamplingParamsError(f"request_id: {request_id!r} is already in use")
         request = Request(request_id, list(prompt_token_ids), params, self.eos_token_id, arrival_time)
         if kv_transfer_params:
@@ -202,11 +219,34 @@ class LLMEngine:
             self._ready.append(take_external_tokens(request, first, self.max_model_len))
             if request.is_finished:
                 return request
+        if params.structured_outputs is not None:
+            # Scheduled once its grammar is compiled (off this thread), with
+            # the matcher advanced over the first tokens.
+            self.structured.submit(request)
+            return request
+        self._admit(request)
+        return request
+
+    def _admit(self, request: Request) -> None:
         self.scheduler.add_request(request)
         if self.connector is not None:
             _, num_local_hit_tokens = self.kv.get_computed_blocks(request)
             self.connector.prefetch(request, num_local_hit_tokens)
-        return request
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Requests whose grammar is ready go to the scheduler; those whose
+        grammar failed finish with the error."""
+        ready, failed = self.structured.take_ready()
+        for request in ready:
+            self._admit(request)
+        outputs = []
+        for request, error in failed:
+            log.warning("request %s failed: %s", request.request_id, error)
+            request.status = RequestStatus.FINISHED_ERROR
+            out = request_output(request, [], "", [], RequestStatus.FINISHED_ERROR)
+            out.error = error
+            outputs.append(out)
+        return outputs
 
     def _check_min_tokens_leave_a_token(self, params: SamplingParams, vocab: int) -> None:
         if params.min_tokens == 0 or len(params.stop_token_ids) < vocab - 1:
@@ -225,6 +265,8 @@ class LLMEngine:
         ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
         self._ready = [o for o in self._ready if o.request_id not in ids]
         for rid in ids:
+            if self.structured.abort(rid) is not None:
+                continue
             req = self.scheduler.abort(rid)
             if req is not None and req.num_computed_tokens < req.num_prompt_tokens:
                 log.info("request %s aborted during its prefill, after %d of %d prompt tokens",
@@ -236,11 +278,13 @@ class LLMEngine:
         return self.scheduler.release_hold(request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self._ready) or self.scheduler.has_unfinished()
+        return bool(self._ready) or self.scheduler.has_unfinished() or bool(self.structured.num_pending)
 
     # ---- one step ------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         ready, self._ready = self._ready, []
+        if self.structured.num_pending:
+            ready += self._admit_compiled()
         scheduler, connector, runner = self.scheduler, self.connector, self.runner
         times, clock = self.step_times, time.perf_counter
         t0 = clock()
@@ -269,7 +313,12 @@ class LLMEngine:
         t3 = clock()
         outputs = ready
         if logits is not None:
-            result = self.sampler(logits, scheduler.sampling_requests)
+            requests = scheduler.sampling_requests
+            structured = self.structured
+            masks = structured.bitmask(requests) if structured.in_use else None
+            result = self.sampler(logits, requests, masks)
+            if masks is not None:
+                structured.accept(requests, result.token_ids, result.errors)
             t4 = clock()
             outputs += scheduler.update(result.token_ids, result.logprobs, result.errors)
         else:
@@ -281,7 +330,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         sched = self.scheduler
-        waiting = list(sched.waiting_requests())
+        waiting = list(sched.waiting_requests()) + self.structured.pending_requests()
         cs = self.connector.stats if self.connector is not None else None
         ss = sched.stats
         stats = EngineStats(
@@ -309,5 +358,6 @@ class LLMEngine:
         return stats
 
     def shutdown(self) -> None:
+        self.structured.close()
         if self.connector is not None:
             self.connector.close()

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
+from tandem.engine.structured_outputs import StructuredOutputs
+
 if TYPE_CHECKING:
     from tandem.engine.detokenizer import Detokenizer
 
@@ -91,10 +93,16 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: Optional[int] = None  # None: no logprobs; k: chosen token + top-k
     min_tokens: int = 0
+    # token id -> added to its logit before sampling (OpenAI's logit_bias)
+    logit_bias: Optional[dict[int, float]] = None
+    # The output follows a JSON schema, regex, choice or grammar (grammar.py)
+    structured_outputs: Optional[StructuredOutputs] = None
 
     MAX_N = 16
     MAX_LOGPROBS = 20
     MAX_STOP = 16
+    MAX_LOGIT_BIAS = 300  # OpenAI's limit on entries
+    LOGIT_BIAS_RANGE = (-100.0, 100.0)
     # Where the float32 sampler computes without overflow: logits (|x| < 1e4
     # for any trained model) / penalty / temperature stay far below 3.4e38.
     TEMPERATURE_RANGE = (0.0, 100.0)
@@ -172,6 +180,31 @@ class SamplingParams:
                 isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT32_MAX
                 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of non-negative integers")
+        self._validate_logit_bias(bad)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                bad("structured_outputs", "must be a StructuredOutputs")
+            if self.ignore_eos:
+                # A finished grammar allows only EOS: ignoring it leaves no token to sample.
+                bad("ignore_eos", "cannot be combined with structured outputs: the output ends "
+                                  "where the grammar does")
+
+    def _validate_logit_bias(self, bad) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            bad("logit_bias", "must map token ids to numbers")
+        if len(bias) > self.MAX_LOGIT_BIAS:
+            bad("logit_bias", f"at most {self.MAX_LOGIT_BIAS} entries, got {len(bias)}")
+        lo, hi = self.LOGIT_BIAS_RANGE
+        for token, value in bias.items():
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= INT32_MAX:
+                bad("logit_bias", f"keys must be token ids (non-negative integers), got {token!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or not lo <= value <= hi:
+                bad("logit_bias", f"the bias of token {token} must be a number in [{lo:g}, {hi:g}], "
+                                  f"got {value!r}")
 
 
 @dataclass
@@ -198,7 +231,7 @@ class Request:
                  "logprobs", "num_cached_tokens", "num_external_tokens", "num_preemptions", "stop_reason",
                  "kv_transfer_params", "stop_token_set", "blocks", "block_ids", "num_named_blocks",
                  "block_hashes", "host_slots", "num_host_tokens", "detokenizer", "generator",
-                 "__weakref__")
+                 "grammar", "__weakref__")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_id: Optional[int] = None, arrival_time: Optional[float] = None,
@@ -239,6 +272,9 @@ class Request:
         self.num_host_tokens = 0
         self.detokenizer: Optional[Detokenizer] = None  # set by the engine when it has a tokenizer
         self.generator: Any = None  # the sampler's torch.Generator when params.seed is set
+        # Structured outputs: the grammar matcher, advanced with each token
+        # (set by the engine once the grammar is compiled; structured_output_manager.py)
+        self.grammar: Any = None
 
     # The unified progress rule: two numbers.
     @property

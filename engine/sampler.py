@@ -1,8 +1,10 @@
 """Next-token sampling for a batch of sequences with per-request parameters.
 
-Order of processing: penalties -> min_tokens masking -> temperature -> top-k
--> top-p -> min-p -> draw. Logprobs are those of the model's raw distribution
-(before penalties and temperature), as OpenAI and vLLM report them.
+Order of processing: the grammar's token mask (structured outputs) ->
+logit_bias -> penalties -> min_tokens masking -> temperature -> top-k ->
+top-p -> min-p -> draw. Logprobs are those of the model's distribution after
+the grammar's mask (tokens it forbids cannot be chosen, as in vLLM) and
+before logit_bias, penalties and temperature, as OpenAI and vLLM report them.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from tandem.engine.grammar import TokenMasks
 from tandem.engine.request import Request, RequestFailedError, SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -30,7 +33,7 @@ class SampleResult:
 def _plain_greedy(r: Request) -> bool:
     p = r.params
     return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty
-            and not p.frequency_penalty and r.num_output_tokens >= p.min_tokens)
+            and not p.frequency_penalty and r.num_output_tokens >= p.min_tokens and not p.logit_bias)
 
 
 def _sampling_fields(r: Request) -> str:
@@ -40,6 +43,11 @@ def _sampling_fields(r: Request) -> str:
              "frequency_penalty", "min_tokens")
     given = [f"{n}={getattr(p, n)!r}" for n in names if getattr(p, n) != getattr(SamplingParams, n)]
     return ", ".join(given) or "the defaults"
+
+
+def _nothing_allowed(r: Request) -> RequestFailedError:
+    name = r.params.structured_outputs.field_name if r.params.structured_outputs else "sampling"
+    return RequestFailedError(f"{name}: the grammar allows no token of the vocabulary here", field=name)
 
 
 def _no_probability(r: Request) -> RequestFailedError:
@@ -66,11 +74,20 @@ class Sampler:
         return request.generator
 
     @torch.inference_mode()  # the logits are the model's inference tensors; penalties edit them in place
-    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SampleResult:
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request],
+                 token_masks: Optional[TokenMasks] = None) -> SampleResult:
+        """token_masks: the grammar masks of the constrained requests
+        (StructuredOutputManager.bitmask), applied first."""
         logits = logits[:, : self.vocab_size]
+        if token_masks is not None:
+            token_masks.apply(logits)
         if all(_plain_greedy(r) for r in requests):
             # The common serving case: argmax where the logits are, move only ids.
-            return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(requests))
+            if token_masks is None:
+                return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(requests))
+            best, tokens = logits.max(dim=-1)
+            # -1 marks a row the grammar left empty; one transfer for both.
+            return self._masked_greedy(torch.where(torch.isneginf(best), -1, tokens).tolist(), requests)
         logits = logits.float().cpu()
         try:
             return self._sample(logits, requests)
@@ -93,6 +110,13 @@ class Sampler:
         return out
 
     @staticmethod
+    def _masked_greedy(tokens: list[int], requests: Sequence[Request]) -> SampleResult:
+        # A grammar that allows no token leaves a row of -inf, whose argmax
+        # would be an arbitrary token: that request fails instead.
+        errors = {i: _nothing_allowed(requests[i]) for i, t in enumerate(tokens) if t < 0}
+        return SampleResult([max(t, 0) for t in tokens], [None] * len(requests), errors)
+
+    @staticmethod
     def _unexpected(r: Request) -> RequestFailedError:
         return RequestFailedError(f"sampling failed with this request's parameters ({_sampling_fields(r)})")
 
@@ -100,6 +124,7 @@ class Sampler:
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._apply_logit_bias(logits, requests)
         logits = self._apply_penalties(logits, requests)
         masked = self._mask_early_stop(logits, requests)
         errors = self._check_rows(logits, requests, masked)
@@ -113,7 +138,8 @@ class Sampler:
             top: dict[int, float] = {}
             if r.params.logprobs > 0:
                 values, ids = torch.topk(row, r.params.logprobs)
-                top = dict(zip(ids.tolist(), values.tolist()))
+                # A grammar may leave fewer than k tokens: forbidden ones are not alternatives.
+                top = {t_: v for t_, v in zip(ids.tolist(), values.tolist()) if v != float("-inf")}
             logprobs.append(TokenLogprob(t, float(row[t]), top))
         return SampleResult(tokens, logprobs, errors)
 
@@ -131,9 +157,19 @@ class Sampler:
                 errors[i] = RequestFailedError(
                     "min_tokens: while it holds, stop_token_ids and EOS ban every token of the "
                     "vocabulary, so no token can be sampled", field="min_tokens")
+            elif bool(empty[i]) and r.grammar is not None:
+                errors[i] = _nothing_allowed(r)
             else:
                 errors[i] = _no_probability(r)
         return errors
+
+    def _apply_logit_bias(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        for i, r in enumerate(requests):
+            bias = r.params.logit_bias
+            if bias:
+                ids = torch.tensor(list(bias.keys()), dtype=torch.long)
+                logits[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype)
+        return logits
 
     def _apply_penalties(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         for i, r in enumerate(requests):
