@@ -22,8 +22,47 @@ def sampling_params_from_proto(p: common_pb2.SamplingParams, **overrides):
                  "presence_penalty", "frequency_penalty", "logprobs"):
         if p.HasField(name):
             kwargs[name] = getattr(p, name)
+    if p.logit_bias:
+        kwargs["logit_bias"] = dict(p.logit_bias)
+    if p.HasField("structured_outputs"):
+        from tandem.engine.request import SamplingParamsError
+        from tandem.engine.structured_outputs import StructuredOutputsError
+
+        try:
+            kwargs["structured_outputs"] = structured_outputs_from_proto(p.structured_outputs)
+        except StructuredOutputsError as exc:
+            raise SamplingParamsError(str(exc)) from None
     kwargs.update(overrides)
     return SamplingParams(**kwargs)
+
+
+def structured_outputs_from_proto(s: common_pb2.StructuredOutputs):
+    """Raises StructuredOutputsError (a ValueError naming the field) when malformed."""
+    from tandem.engine.structured_outputs import StructuredOutputs, StructuredOutputsError
+
+    name = s.field_name or "structured_outputs"
+    kind = s.WhichOneof("kind")
+    if kind is None:
+        raise StructuredOutputsError(f"{name}: set one of json_schema, json_object, regex, choice, grammar")
+    if kind == "json_schema":
+        return StructuredOutputs(json=s.json_schema, field_name=name)
+    if kind == "choice":
+        return StructuredOutputs(choice=tuple(s.choice.choices), field_name=name)
+    return StructuredOutputs(**{kind: getattr(s, kind)}, field_name=name)
+
+
+def structured_outputs_to_proto(so) -> common_pb2.StructuredOutputs:
+    import json
+
+    out = common_pb2.StructuredOutputs(field_name=so.field_name)
+    kind = so.kind
+    if kind == "json":
+        out.json_schema = json.dumps(so.json)
+    elif kind == "choice":
+        out.choice.choices.extend(so.choice)
+    else:
+        setattr(out, kind, getattr(so, kind))
+    return out
 
 
 def sampling_params_to_proto(params) -> common_pb2.SamplingParams:
@@ -40,6 +79,10 @@ def sampling_params_to_proto(params) -> common_pb2.SamplingParams:
         p.seed = params.seed
     if params.logprobs is not None:
         p.logprobs = params.logprobs
+    if params.logit_bias:
+        p.logit_bias.update(params.logit_bias)
+    if params.structured_outputs is not None:
+        p.structured_outputs.CopyFrom(structured_outputs_to_proto(params.structured_outputs))
     return p
 
 
