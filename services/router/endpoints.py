@@ -3,66 +3,42 @@ prompt, the sampling parameters it asks for, and the shape of its answer.
 Streaming, collecting and usage are answers.py's, shared by both."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from tandem.services.router.answers import Choice, Generation, answer
+from tandem.engine.structured_outputs import StructuredOutputs, StructuredOutputsError
+from tandem.services.router.answers import Generation, answer
 from tandem.services.router.dispatch import Delta, merge_choices
 from tandem.services.router.frontend import Frontend, InvalidRequest, ModelView, new_request_id
 from tandem.services.router.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                                     LogprobFormatter, now)
 from tandem.services.router.prompter import Prepared
+from tandem.services.router.shapes import ChatShape, CompletionShape
+from tandem.services.router.tool_answers import ToolChatShape
+from tandem.services.router.tool_calls import forced_constraint, parser_for
 from tandem.services.router.telemetry import RequestClock
 
 
-@dataclass
-class ChatShape:
-    formatter: LogprobFormatter
-    logprobs: Optional[int]  # None: not asked for
-
-    chunk_object = "chat.completion.chunk"
-    final_object = "chat.completion"
-
-    def opening(self, num_choices: int) -> list[dict]:
-        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                 "finish_reason": None} for i in range(num_choices)]
-
-    def chunk_choice(self, index: int, delta: Delta, text_offset: int) -> Optional[dict]:
-        lps = {"content": self.formatter.chat(delta.logprobs)} if self.logprobs is not None else None
-        if not (delta.text or delta.finish_reason or lps):
-            return None
-        return {"index": index, "delta": {"content": delta.text} if delta.text else {}, "logprobs": lps,
-                "finish_reason": delta.finish_reason}
-
-    def final_choice(self, index: int, choice: Choice) -> dict:
-        lps = {"content": self.formatter.chat(choice.logprobs)} if self.logprobs is not None else None
-        return {"index": index, "message": {"role": "assistant", "content": choice.text},
-                "logprobs": lps, "finish_reason": choice.finish_reason}
+def _constraint(body) -> Optional[StructuredOutputs]:
+    """The request's output constraint (response_format, structured_outputs,
+    guided_*), checked for its shape here (and logit_bias's keys); the
+    engines compile it, and a grammar that does not compile comes back from
+    them as a 400."""
+    try:
+        body.logit_bias_ids()
+        return body.structured_outputs_spec()
+    except StructuredOutputsError as exc:
+        field = str(exc).split(":", 1)[0]
+        raise InvalidRequest(str(exc), param=field) from None
 
 
-@dataclass
-class CompletionShape:
-    formatter: LogprobFormatter
-    logprobs: Optional[int]
-
-    chunk_object = "text_completion"
-    final_object = "text_completion"
-
-    def opening(self, num_choices: int) -> list[dict]:
-        return []
-
-    def chunk_choice(self, index: int, delta: Delta, text_offset: int) -> Optional[dict]:
-        lps = self.formatter.completion(delta.logprobs, text_offset) if self.logprobs is not None else None
-        if not (delta.text or delta.finish_reason or lps):
-            return None
-        return {"index": index, "text": delta.text, "logprobs": lps, "finish_reason": delta.finish_reason}
-
-    def final_choice(self, index: int, choice: Choice) -> dict:
-        lps = self.formatter.completion(choice.logprobs, 0) if self.logprobs is not None else None
-        return {"index": index, "text": choice.text, "logprobs": lps, "finish_reason": choice.finish_reason}
+def _tool_constraint(body: ChatCompletionRequest) -> Optional[StructuredOutputs]:
+    try:
+        return forced_constraint(body.tools, body.tool_choice, body.parallel_tool_calls)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param="tool_choice") from None
 
 
 def _include_usage(body) -> bool:
@@ -82,15 +58,27 @@ class OpenAIEndpoints:
             raise InvalidRequest("top_logprobs: needs logprobs set to true", param="top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = self.frontend.finalize_params(len(prompt), body.sampling_params(max_tokens, logprobs),
-                                               view.max_model_len)
+        constraint = _constraint(body)
+        shape = ChatShape(self.formatter, logprobs)
+        if body.tools and body.tool_choice != "none":
+            forced = _tool_constraint(body)
+            if forced is not None and constraint is not None:
+                raise InvalidRequest(f"tool_choice: a forced tool call is its own output constraint; "
+                                     f"drop {constraint.field_name.split('.')[0]}", param="tool_choice")
+            constraint = forced or constraint
+            shape = ToolChatShape(self.formatter, logprobs,
+                                  parser=None if forced else parser_for(self.frontend.model.tokenizer.chat_template),
+                                  tool_choice=body.tool_choice, tool_names={t.function.name for t in body.tools})
+        elif body.tool_choice not in (None, "none"):
+            raise InvalidRequest("tool_choice: needs tools", param="tool_choice")
+        params = self.frontend.finalize_params(
+            len(prompt), body.sampling_params(max_tokens, logprobs, constraint), view.max_model_len)
         request_id = new_request_id("chatcmpl")
         n = params.n
         generation = Generation(request_id, now(), view.model_id,
                                 self.frontend.generate(request_id, prompt, params),
                                 num_choices=n, choices_per_prompt=n)
-        return await answer(request, generation, ChatShape(self.formatter, logprobs), clock,
-                            body.stream, _include_usage(body))
+        return await answer(request, generation, shape, clock, body.stream, _include_usage(body))
 
     async def completion(self, request: Request, prepared: Prepared, view: ModelView,
                          clock: RequestClock) -> Response:
@@ -103,9 +91,11 @@ class OpenAIEndpoints:
         request_id = new_request_id("cmpl")
         created = now()
         per_prompt = []
+        constraint = _constraint(body)
         for pi, prompt in enumerate(prepared.prompts):
             params = self.frontend.finalize_params(
-                len(prompt), body.sampling_params(body.max_tokens, body.logprobs), view.max_model_len)
+                len(prompt), body.sampling_params(body.max_tokens, body.logprobs, constraint),
+                view.max_model_len)
             per_prompt.append(self.frontend.generate(f"{request_id}-p{pi}", prompt, params))
 
         async def flat() -> AsyncIterator[tuple[int, Delta]]:

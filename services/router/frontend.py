@@ -99,6 +99,8 @@ class Frontend:
             raise InvalidRequest(str(exc), param=exc.field) from None
         if any(t >= self.vocab_size for t in checked.stop_token_ids):
             raise InvalidRequest("stop_token_ids: outside the vocabulary", param="stop_token_ids")
+        if checked.logit_bias and any(t >= self.vocab_size for t in checked.logit_bias):
+            raise InvalidRequest(f"logit_bias: token ids must be in [0, {self.vocab_size})", param="logit_bias")
         return checked
 
     # --- generation ------------------------------------------------------------------

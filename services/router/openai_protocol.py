@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tandem.engine.structured_outputs import StructuredOutputs, StructuredOutputsError
 from tandem.v1 import common_pb2
 
 Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
@@ -25,10 +26,24 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(_Strict):
+    """An assistant's earlier tool call, in the history."""
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: str
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCallIn]] = None  # role "assistant"
+    tool_call_id: Optional[str] = None  # role "tool": the call this answers
 
     def text(self) -> Optional[str]:
         if isinstance(self.content, list):
@@ -38,6 +53,28 @@ class ChatMessage(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: Optional[str] = None
+    # "schema" shadows a BaseModel attribute in pydantic: read it through an alias.
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputsFields(_Strict):
+    """vLLM's `structured_outputs` object: exactly one constraint."""
+    json_: Union[str, dict[str, Any], None] = Field(default=None, alias="json")
+    json_object: Optional[bool] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
 
 
 class _SamplingFields(_Strict):
@@ -61,8 +98,64 @@ class _SamplingFields(_Strict):
     min_tokens: Int32 = 0
     stop_token_ids: Optional[list[Int32]] = None
     include_stop_str_in_output: bool = False
+    # OpenAI: token id (as a JSON key) -> bias in [-100, 100]
+    logit_bias: Optional[dict[str, float]] = None
+    # Structured outputs: OpenAI's response_format, and vLLM's extras
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsFields] = None
+    guided_json: Union[str, dict[str, Any], None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
 
-    def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> common_pb2.SamplingParams:
+    def structured_outputs_spec(self) -> Optional[StructuredOutputs]:
+        """The one output constraint the request asks for, or None; raises
+        StructuredOutputsError naming the field when it is malformed or when
+        more than one field asks for a constraint."""
+        given: list[StructuredOutputs] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            given.append(StructuredOutputs(json_object=True, field_name="response_format"))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise StructuredOutputsError("response_format.json_schema.schema: required when "
+                                             "response_format.type is json_schema")
+            given.append(StructuredOutputs(json=rf.json_schema.schema_,
+                                           field_name="response_format.json_schema.schema"))
+        so = self.structured_outputs
+        if so is not None:
+            set_ = {k: v for k, v in (("json", so.json_), ("json_object", so.json_object), ("regex", so.regex),
+                                      ("choice", so.choice), ("grammar", so.grammar)) if v not in (None, False)}
+            if len(set_) != 1:
+                raise StructuredOutputsError("structured_outputs: give exactly one of json, json_object, "
+                                             f"regex, choice, grammar; got {', '.join(set_) or 'none'}")
+            (kind, value), = set_.items()
+            given.append(StructuredOutputs(**{kind: value}, field_name=f"structured_outputs.{kind}"))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                given.append(StructuredOutputs(**{kind: value}, field_name=name))
+        if len(given) > 1:
+            names = ", ".join(g.field_name.split(".")[0] for g in given)
+            raise StructuredOutputsError(f"{given[1].field_name.split('.')[0]}: one output constraint "
+                                         f"per request; this one sets {names}")
+        return given[0] if given else None
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        out = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise StructuredOutputsError(f"logit_bias: keys must be token ids, got {key!r}") from None
+            out[token] = value
+        return out
+
+    def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
+                        structured: Optional[StructuredOutputs] = None) -> common_pb2.SamplingParams:
+        """structured: the constraint structured_outputs_spec() gave (the
+        prompt workers compute and check it once)."""
         p = common_pb2.SamplingParams(
             n=self.n, stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
@@ -76,11 +169,41 @@ class _SamplingFields(_Strict):
             p.max_tokens = max_tokens
         if logprobs is not None:
             p.logprobs = logprobs
+        if self.logit_bias:
+            p.logit_bias.update(self.logit_bias_ids())
+        if structured is not None:
+            from tandem.services.common.proto_convert import structured_outputs_to_proto
+
+            p.structured_outputs.CopyFrom(structured_outputs_to_proto(structured))
         return p
+
+
+class FunctionDef(_Strict):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema; none: no arguments
+    strict: Optional[bool] = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
+    tools: Optional[list[ToolDef]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool = True
     max_completion_tokens: Optional[Int32] = None
     logprobs: bool = False
     top_logprobs: Optional[Int32] = None
