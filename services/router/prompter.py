@@ -10,6 +10,7 @@ into HTTP 400/404/408/413 or gRPC INVALID_ARGUMENT/NOT_FOUND.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -17,6 +18,7 @@ import pydantic
 
 from tandem.services.router.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                                     validation_message)
+from tandem.services.router.tool_calls import hermes_messages, template_knows_tools
 from tandem.v1 import generate_pb2
 
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
@@ -61,7 +63,18 @@ class Prompter:
     def chat_completion(self, raw: bytes, max_model_len: int) -> Prepared:
         body = _parse(raw, ChatCompletionRequest)
         self._check_choices(1, body.n)
-        ids = self.chat([{"role": m.role, "content": m.text()} for m in body.messages])
+        messages = []
+        for m in body.messages:
+            message = {"role": m.role, "content": m.text()}
+            if m.tool_calls:
+                message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            messages.append(message)
+        # tool_choice "none": the model is not told of the tools.
+        tools = None if not body.tools or body.tool_choice == "none" else [t.model_dump(exclude_none=True)
+                                                                          for t in body.tools]
+        ids = self.chat(messages, tools)
         return Prepared(body.model_copy(update={"messages": []}),
                         [_fits(ids, "messages", max_model_len)])
 
@@ -102,21 +115,38 @@ class Prompter:
 
     # --- prompts ------------------------------------------------------------------------
 
-    def chat(self, messages: Sequence[dict]) -> list[int]:
-        """messages: [{"role": ..., "content": str}] -> the templated prompt's token ids."""
+    def chat(self, messages: Sequence[dict], tools: Optional[list[dict]] = None) -> list[int]:
+        """messages: [{"role": ..., "content": str, "tool_calls"?, "tool_call_id"?}]
+        and the tools the model may call -> the templated prompt's token ids."""
         if not messages:
             raise InvalidRequest("messages: must contain at least one message", param="messages")
         for i, m in enumerate(messages):
             if m.get("role") not in CHAT_ROLES:
                 raise InvalidRequest(f"messages[{i}].role: {m.get('role')!r} is not one of "
                                      f"{', '.join(CHAT_ROLES)}", param=f"messages[{i}].role")
-            if not isinstance(m.get("content"), str):
+            calls_only = m.get("role") == "assistant" and m.get("tool_calls") and m.get("content") is None
+            if not isinstance(m.get("content"), str) and not calls_only:
                 raise InvalidRequest(f"messages[{i}].content: must be a string",
                                      param=f"messages[{i}].content")
+            if m.get("role") == "tool" and not m.get("tool_call_id"):
+                raise InvalidRequest(f"messages[{i}].tool_call_id: a tool message answers a call: "
+                                     "give the call's id", param=f"messages[{i}].tool_call_id")
+        template = getattr(self.tokenizer, "chat_template", None)
+        kwargs: dict = {}
+        if template_knows_tools(template):
+            # The template renders tools, calls and results itself.
+            messages = [{k: v for k, v in m.items()} for m in messages]
+            for m in messages:
+                for call in m.get("tool_calls") or ():
+                    # Templates iterate over the arguments: give them the object.
+                    call["function"]["arguments"] = _json_or_text(call["function"]["arguments"])
+            if tools:
+                kwargs["tools"] = tools
+        else:
+            messages = hermes_messages(list(messages), tools)
         try:
             text = self.tokenizer.apply_chat_template(
-                [{"role": m["role"], "content": m["content"]} for m in messages],
-                add_generation_prompt=True, tokenize=False)
+                messages, add_generation_prompt=True, tokenize=False, **kwargs)
         except Exception as exc:  # templates raise on role orders they do not support
             raise InvalidRequest(f"messages: the model's chat template rejected them: {exc}",
                                  param="messages") from None
@@ -147,6 +177,13 @@ class Prompter:
                 f"{param}: {prompts} prompt(s) x n={n} ask for {prompts * n} completions; this "
                 f"router takes at most {self.max_choices} in one request "
                 "(--max-choices-per-request): split the request", param=param)
+
+
+def _json_or_text(arguments: str):
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
 def _fits(ids: list[int], param: str, max_model_len: int) -> list[int]:
