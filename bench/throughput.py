@@ -49,6 +49,12 @@ def register(subparsers) -> None:
     p.add_argument("--no-hf", action="store_true", help="skip the HF baseline")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and their lengths")
     p.add_argument("--output-json", default=None, help="write results here")
+    p.add_argument("--structured", choices=["none", "json", "both"], default="none",
+                   help="json: every request's output follows a JSON schema (an array of at least "
+                        "10,000 integers, so no answer can finish before --output-len and every token "
+                        "goes through the grammar's mask); both: after an untimed warm-up pass, the "
+                        "engine runs the prompts without and then with the schema and prints the "
+                        "slowdown (default none)")
     EngineArgs.add_cli_args(p, skip=KV_TRANSFER_FIELDS)
     p.set_defaults(handler=run)
 
@@ -68,21 +74,35 @@ def make_workload(args, vocab: int) -> tuple[list[list[int]], list[int]]:
     return prompts, [n_out for _, n_out in lengths]
 
 
-def run_engine(args, prompts, output_lens) -> tuple[ThroughputResult, object]:
-    from tandem.engine import LLM, SamplingParams
+# An answer that cannot finish within any --output-len: every token is masked.
+LONG_JSON_SCHEMA = {"type": "object", "properties": {"values": {
+    "type": "array", "items": {"type": "integer"}, "minItems": 10_000}}, "required": ["values"]}
+
+
+def run_engine(args, prompts, output_lens, llm=None, structured: bool = False) -> tuple[ThroughputResult, object]:
+    from tandem.engine import LLM, SamplingParams, StructuredOutputs
 
     from tandem.bench.presets import with_preset
 
-    llm = LLM.from_engine_args(with_preset(EngineArgs.from_cli_args(args), args.preset))
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
-    llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
+    if llm is None:
+        llm = LLM.from_engine_args(with_preset(EngineArgs.from_cli_args(args), args.preset))
+    if structured:
+        # A finished grammar would stop the answer early; this one cannot
+        # finish, so ignore_eos is not needed (nor allowed with a grammar).
+        so = StructuredOutputs(json=LONG_JSON_SCHEMA)
+        params = [SamplingParams(temperature=0.0, max_tokens=n, structured_outputs=so) for n in output_lens]
+        llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2, structured_outputs=so))  # warm-up, compile
+    else:
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
+        llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
     _sync(llm.engine.runner.device)
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     _sync(llm.engine.runner.device)
     seconds = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    return ThroughputResult("tandem", len(prompts), sum(map(len, prompts)), produced, seconds), llm
+    name = "tandem+json-schema" if structured else "tandem"
+    return ThroughputResult(name, len(prompts), sum(map(len, prompts)), produced, seconds), llm
 
 
 def _sync(device) -> None:
@@ -146,9 +166,19 @@ def run(args: argparse.Namespace) -> int:
     prompts, output_lens = make_workload(args, vocab)
     print(f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, {sum(output_lens)} output "
           f"tokens ({args.dataset})", file=sys.stderr)
-    ours, llm = run_engine(args, prompts, output_lens)
-    print(f"tandem: {ours.output_tokens_per_s:.1f} output tok/s in {ours.seconds:.2f} s", file=sys.stderr)
-    results = [ours]
+    results = []
+    llm = None
+    if args.structured == "both":
+        # The first pass over the workload pays one-time costs (kernel
+        # compilation for new shapes, allocator growth): untimed, so that
+        # neither of the two compared passes carries them.
+        _, llm = run_engine(args, prompts, output_lens)
+        print("warm-up pass done", file=sys.stderr)
+    for structured in {"none": [False], "json": [True], "both": [False, True]}[args.structured]:
+        ours, llm = run_engine(args, prompts, output_lens, llm, structured)
+        print(f"{ours.system}: {ours.output_tokens_per_s:.1f} output tok/s in {ours.seconds:.2f} s",
+              file=sys.stderr)
+        results.append(ours)
     if not args.no_hf:
         print("running the HF transformers baseline ...", file=sys.stderr)
         results.append(run_hf(args, prompts, output_lens, llm))
@@ -156,14 +186,18 @@ def run(args: argparse.Namespace) -> int:
     for r in results:
         print(f"{r.system:<18}{r.seconds:>10.2f}{r.output_tokens_per_s:>15.1f}{r.total_tokens_per_s:>14.1f}")
     ratio: Optional[float] = None
-    if len(results) == 2:
-        ratio = results[0].output_tokens_per_s / results[1].output_tokens_per_s
+    if results[-1].system == "hf-transformers":
+        ratio = results[0].output_tokens_per_s / results[-1].output_tokens_per_s
         print(f"tandem / HF output throughput: {ratio:.2f}x")
+    slowdown: Optional[float] = None
+    if args.structured == "both":
+        slowdown = 1 - results[1].output_tokens_per_s / results[0].output_tokens_per_s
+        print(f"JSON schema on every request: {100 * slowdown:.1f}% slower than none")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"args": vars(args) | {"handler": None},
                        "results": [asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in results],
-                       "ratio": ratio}, f, indent=2)
+                       "ratio": ratio, "structured_slowdown": slowdown}, f, indent=2)
     return 0
 
 
