@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from tandem.services.router.answers import Choice, Generation, answer
 from tandem.services.router.dispatch import Delta, merge_choices
@@ -69,6 +69,14 @@ def _include_usage(body) -> bool:
     return bool(body.stream_options and body.stream_options.include_usage)
 
 
+def _ids(prefix: str, body) -> tuple[str, str]:
+    """(the answer's id, the request id in the tiers). A client's request_id
+    (vLLM's field) names the answer only: two clients may send the same one,
+    and engines need ids unique among the requests they hold."""
+    internal = new_request_id(prefix)
+    return (f"{prefix}-{body.request_id}" if body.request_id else internal), internal
+
+
 class OpenAIEndpoints:
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
@@ -84,9 +92,9 @@ class OpenAIEndpoints:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = self.frontend.finalize_params(len(prompt), body.sampling_params(max_tokens, logprobs),
                                                view.max_model_len)
-        request_id = new_request_id("chatcmpl")
+        answer_id, request_id = _ids("chatcmpl", body)
         n = params.n
-        generation = Generation(request_id, now(), view.model_id,
+        generation = Generation(answer_id, now(), view.model_id,
                                 self.frontend.generate(request_id, prompt, params),
                                 num_choices=n, choices_per_prompt=n)
         return await answer(request, generation, ChatShape(self.formatter, logprobs), clock,
@@ -95,12 +103,8 @@ class OpenAIEndpoints:
     async def completion(self, request: Request, prepared: Prepared, view: ModelView,
                          clock: RequestClock) -> Response:
         body: CompletionRequest = prepared.body
-        if body.echo:
-            raise InvalidRequest("echo: not supported", param="echo")
-        if body.suffix:
-            raise InvalidRequest("suffix: not supported", param="suffix")
         n = body.n
-        request_id = new_request_id("cmpl")
+        answer_id, request_id = _ids("cmpl", body)
         created = now()
         per_prompt = []
         for pi, prompt in enumerate(prepared.prompts):
@@ -113,7 +117,21 @@ class OpenAIEndpoints:
             async for pi, (ci, d) in merge_choices(per_prompt):
                 yield pi * n + ci, d
 
-        generation = Generation(request_id, created, view.model_id, flat(),
+        generation = Generation(answer_id, created, view.model_id, flat(),
                                 num_choices=len(per_prompt) * n, choices_per_prompt=n)
         return await answer(request, generation, CompletionShape(self.formatter, body.logprobs), clock,
                             body.stream, _include_usage(body))
+
+    # --- vLLM's tokenizer endpoints (the work done in the PromptPool's workers) ---------
+
+    async def tokenize(self, request: Request, prepared: Prepared, view: ModelView,
+                       clock: RequestClock) -> Response:
+        ids = prepared.prompts[0]
+        body = {"count": len(ids), "max_model_len": view.max_model_len, "tokens": ids}
+        if prepared.token_strs is not None:
+            body["token_strs"] = prepared.token_strs
+        return JSONResponse(body)
+
+    async def detokenize(self, request: Request, prepared: Prepared, view: ModelView,
+                         clock: RequestClock) -> Response:
+        return JSONResponse({"prompt": prepared.text})
