@@ -235,3 +235,21 @@ def test_tandem_version():
     out = subprocess.run([sys.executable, "-m", "tandem.services.cli", "--version"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == f"tandem {version('tandem')}"
+
+
+def test_docs_api_md_is_the_field_table():
+    """docs/api.md has one row per field, with its decision, and the values it says a refused
+    field accepts are the ones the table allows."""
+    import json
+    import pathlib
+    import re
+
+    rows = {}
+    for line in (pathlib.Path(__file__).parents[2] / "docs" / "api.md").read_text().splitlines():
+        if m := re.match(r"\| `([^`]+)` \| (honoured|accepted|refused|not yet)\b[^|]*\|[^|]*\|(.*)\|$", line):
+            rows[m.group(1)] = (m.group(2), re.findall(r"`([^`]+)`", m.group(3)))
+    assert set(rows) == set(FIELDS), set(rows) ^ set(FIELDS)
+    for key, (decision, values) in rows.items():
+        assert decision == FIELDS[key].decision, key
+        for value in values:
+            assert FIELDS[key].allows(json.loads(value)), (key, value)
