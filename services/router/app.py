@@ -79,9 +79,12 @@ def create_app(frontend: Frontend, telemetry: RouterTelemetry, pools: dict[str, 
     # :path, for ids with a slash (HuggingFaceTB/SmolLM2-135M-Instruct).
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
+        if not model_id:  # check_model takes no name as "the default model"
+            return error_response(404, "GET /v1/models/: give a model id (see GET /v1/models)",
+                                  param="model", code="model_not_found")
         try:
             view = frontend.view()
-            frontend.check_model(model_id or "''")  # an empty id names no model
+            frontend.check_model(model_id)
         except DispatchError as exc:
             return error_response(exc.http_status, exc.message, headers=RETRY)
         except InvalidRequest as exc:
