@@ -3,7 +3,7 @@ workers; no engines, so a request that passes every check ends in a clean
 503 from routing): every field of openai's request TypedDicts and of the
 field table honoured or refused by name, /tokenize and /detokenize,
 /v1/models/{id}, --served-model-name and `tandem --version`.
-tests/e2e/test_gateway_surface.py sends the same cases to real engines."""
+tests/e2e/test_gateway_fields_e2e.py sends the same cases to real engines."""
 from __future__ import annotations
 
 import subprocess
