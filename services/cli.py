@@ -16,11 +16,22 @@ SUBCOMMANDS = [
 ]
 
 
+def package_version() -> str:
+    """The installed distribution's version (pyproject.toml's, once installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tandem")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tandem",
         description="tandem: disaggregated prefill/decode LLM serving on a shared paged KV engine.",
     )
+    parser.add_argument("--version", action="version", version=f"tandem {package_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in SUBCOMMANDS:
         importlib.import_module(name).register(sub)

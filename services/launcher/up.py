@@ -134,9 +134,10 @@ def _check_before_start(args: argparse.Namespace) -> None:
     fail for certain, minutes of model loading later: an empty API key, a
     taken fixed port, a bad engine setting, a model that is not there."""
     from tandem.engine.loader import ModelNotFoundError, resolve_source
-    from tandem.services.router.server import api_keys_from_flag
+    from tandem.services.router.server import api_keys_from_flag, served_names_from_flag
 
     api_keys_from_flag(args.api_key)
+    served_names_from_flag(args.served_model_name)
     fixed = [("--port", args.port), ("--grpc-port", args.grpc_port)]
     if args.kv_transfer == "store":
         fixed.append(("--kvstore-port", args.kvstore_port))
@@ -188,6 +189,9 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
                   "authentication; an empty key is an error")
     add_flag(p, "--max-in-flight", type=int, default=1024,
              help="requests the router serves at once; more get HTTP 429 / RESOURCE_EXHAUSTED")
+    add_flag(p, "--served-model-name", default=None, nargs="+", metavar="NAME",
+             help="the router's names for the model (as vllm serve's flag): requests may give any, "
+                  "/v1/models lists each, answers report the first; unset: the engines' model id")
     add_flag(p, "--max-queued-requests", type=int, default=512,
              help="requests each engine queues beyond --max-num-seqs; more are refused (back-pressure)")
     add_tls_arguments(p)

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP gateway (FastAPI): /v1/chat/completions,
-/v1/completions (SSE streaming and not), /v1/models, /health, /metrics.
+/v1/completions (SSE streaming and not), /v1/models, vLLM's /tokenize and
+/detokenize, /health, /metrics.
 
 This module wires routes to their parts: auth.py (API keys), handling.py (a
 request's limits and errors), endpoints.py (what chat and completions ask
@@ -18,7 +19,7 @@ from tandem.services.router.auth import RequireAPIKey
 from tandem.services.router.backends import BackendPool
 from tandem.services.router.dispatch import DispatchError
 from tandem.services.router.endpoints import OpenAIEndpoints
-from tandem.services.router.frontend import Frontend
+from tandem.services.router.frontend import Frontend, InvalidRequest
 from tandem.services.router.handling import GatewayConfig, RequestHandler
 from tandem.services.router.http_errors import RETRY, error_response
 from tandem.services.router.openai_protocol import now
@@ -63,14 +64,32 @@ def create_app(frontend: Frontend, telemetry: RouterTelemetry, pools: dict[str, 
         body, content_type = metrics_response()
         return Response(body, media_type=content_type)
 
+    def model_object(name: str, view) -> dict:
+        return {"id": name, "object": "model", "created": now(), "owned_by": "tandem",
+                "max_model_len": view.max_model_len}
+
     @app.get("/v1/models")
     async def models():
         try:
             view = frontend.view()
         except DispatchError as exc:
             return error_response(exc.http_status, exc.message, headers=RETRY)
-        return {"object": "list", "data": [{"id": view.model_id, "object": "model", "created": now(),
-                                            "owned_by": "tandem", "max_model_len": view.max_model_len}]}
+        return {"object": "list", "data": [model_object(n, view) for n in frontend.model_names(view)]}
+
+    # :path, for ids with a slash (HuggingFaceTB/SmolLM2-135M-Instruct).
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if not model_id:  # check_model takes no name as "the default model"
+            return error_response(404, "GET /v1/models/: give a model id (see GET /v1/models)",
+                                  param="model", code="model_not_found")
+        try:
+            view = frontend.view()
+            frontend.check_model(model_id)
+        except DispatchError as exc:
+            return error_response(exc.http_status, exc.message, headers=RETRY)
+        except InvalidRequest as exc:
+            return error_response(exc.status, exc.message, exc.param, exc.code)
+        return model_object(model_id, view)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -79,5 +98,15 @@ def create_app(frontend: Frontend, telemetry: RouterTelemetry, pools: dict[str, 
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await handle(request, frontend.prompts.completion, endpoints.completion)
+
+    # vLLM's, at the root as vLLM serves them: clients that count tokens before
+    # sending (or check a prompt's fit) call these.
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await handle(request, frontend.prompts.tokenize, endpoints.tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await handle(request, frontend.prompts.detokenize, endpoints.detokenize)
 
     return app

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import AsyncIterator, Optional
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from tandem.engine.structured_outputs import StructuredOutputs, StructuredOutputsError
 from tandem.services.router.answers import Generation, answer
@@ -45,6 +45,14 @@ def _include_usage(body) -> bool:
     return bool(body.stream_options and body.stream_options.include_usage)
 
 
+def _ids(prefix: str, body) -> tuple[str, str]:
+    """(the answer's id, the request id in the tiers). A client's request_id
+    (vLLM's field) names the answer only: two clients may send the same one,
+    and engines need ids unique among the requests they hold."""
+    internal = new_request_id(prefix)
+    return (f"{prefix}-{body.request_id}" if body.request_id else internal), internal
+
+
 class OpenAIEndpoints:
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
@@ -73,9 +81,9 @@ class OpenAIEndpoints:
             raise InvalidRequest("tool_choice: needs tools", param="tool_choice")
         params = self.frontend.finalize_params(
             len(prompt), body.sampling_params(max_tokens, logprobs, constraint), view.max_model_len)
-        request_id = new_request_id("chatcmpl")
+        answer_id, request_id = _ids("chatcmpl", body)
         n = params.n
-        generation = Generation(request_id, now(), view.model_id,
+        generation = Generation(answer_id, now(), view.model_id,
                                 self.frontend.generate(request_id, prompt, params),
                                 num_choices=n, choices_per_prompt=n)
         return await answer(request, generation, shape, clock, body.stream, _include_usage(body))
@@ -83,12 +91,8 @@ class OpenAIEndpoints:
     async def completion(self, request: Request, prepared: Prepared, view: ModelView,
                          clock: RequestClock) -> Response:
         body: CompletionRequest = prepared.body
-        if body.echo:
-            raise InvalidRequest("echo: not supported", param="echo")
-        if body.suffix:
-            raise InvalidRequest("suffix: not supported", param="suffix")
         n = body.n
-        request_id = new_request_id("cmpl")
+        answer_id, request_id = _ids("cmpl", body)
         created = now()
         per_prompt = []
         constraint = _constraint(body)
@@ -103,7 +107,21 @@ class OpenAIEndpoints:
             async for pi, (ci, d) in merge_choices(per_prompt):
                 yield pi * n + ci, d
 
-        generation = Generation(request_id, created, view.model_id, flat(),
+        generation = Generation(answer_id, created, view.model_id, flat(),
                                 num_choices=len(per_prompt) * n, choices_per_prompt=n)
         return await answer(request, generation, CompletionShape(self.formatter, body.logprobs), clock,
                             body.stream, _include_usage(body))
+
+    # --- vLLM's tokenizer endpoints (the work done in the PromptPool's workers) ---------
+
+    async def tokenize(self, request: Request, prepared: Prepared, view: ModelView,
+                       clock: RequestClock) -> Response:
+        ids = prepared.prompts[0]
+        body = {"count": len(ids), "max_model_len": view.max_model_len, "tokens": ids}
+        if prepared.token_strs is not None:
+            body["token_strs"] = prepared.token_strs
+        return JSONResponse(body)
+
+    async def detokenize(self, request: Request, prepared: Prepared, view: ModelView,
+                         clock: RequestClock) -> Response:
+        return JSONResponse({"prompt": prepared.text})

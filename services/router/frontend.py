@@ -9,6 +9,7 @@ into HTTP 400/404 or gRPC INVALID_ARGUMENT/NOT_FOUND.
 """
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
@@ -37,6 +38,9 @@ class ServedModel:
     max_model_len: Optional[int] = None
     tokenizer: Any = None
     aliases: set[str] = field(default_factory=set)  # other names accepted in requests
+    # --served-model-name: when set, the only names requests may give, each
+    # listed by /v1/models, the first the one answers report (as vLLM's flag).
+    served_names: list[str] = field(default_factory=list)
 
 
 def new_request_id(prefix: str) -> str:
@@ -58,20 +62,30 @@ class Frontend:
         """The model and context the engines report now; DispatchError
         UNAVAILABLE (HTTP 503 with Retry-After) while none has."""
         view = self.reports.view()
-        if view is not None:
-            return view
-        if self.model.max_model_len is not None:
-            return ModelView(self.model.model_id, self.model.max_model_len, 0)
-        raise DispatchError("no engine instance has reported its model and context length yet; "
-                            "retry shortly", grpc.StatusCode.UNAVAILABLE)
+        if view is None and self.model.max_model_len is not None:
+            view = ModelView(self.model.model_id, self.model.max_model_len, 0)
+        if view is None:
+            raise DispatchError("no engine instance has reported its model and context length yet; "
+                                "retry shortly", grpc.StatusCode.UNAVAILABLE)
+        if self.model.served_names:  # what answers report as their model
+            view = dataclasses.replace(view, model_id=self.model.served_names[0])
+        return view
+
+    def model_names(self, view: ModelView) -> list[str]:
+        """The names /v1/models lists, each a model object."""
+        return list(self.model.served_names) or [view.model_id]
 
     def check_model(self, name: Optional[str]) -> None:
-        if not name or name in self.model.aliases:
+        if not name:
             return
-        served = self.view().model_id
-        if name != served:
+        names = self.model.served_names
+        if not names:
+            if name in self.model.aliases:
+                return
+            names = [self.view().model_id]
+        if name not in names:
             raise InvalidRequest(f"The model {name!r} does not exist; this server serves "
-                                 f"{served!r} (see GET /v1/models).",
+                                 f"{', '.join(map(repr, names))} (see GET /v1/models).",
                                  param="model", status=404, code="model_not_found")
 
     # --- sampling parameters ----------------------------------------------------------

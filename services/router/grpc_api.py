@@ -93,7 +93,8 @@ class TandemServicer(generate_pb2_grpc.TandemServiceServicer):
         except DispatchError as exc:
             await context.abort(exc.code, exc.message)
         return generate_pb2.ListModelsResponse(
-            models=[generate_pb2.ModelCard(id=view.model_id, max_model_len=view.max_model_len)])
+            models=[generate_pb2.ModelCard(id=name, max_model_len=view.max_model_len)
+                    for name in self.frontend.model_names(view)])
 
 
 def add_tandem_service(server: grpc.aio.Server, servicer: TandemServicer) -> list[str]:

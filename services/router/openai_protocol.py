@@ -4,7 +4,7 @@ wrong type is a 400 naming the field, never a silent coercion."""
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Iterator, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -16,9 +16,11 @@ Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
 
 class _Strict(BaseModel):
-    # Unknown fields are ignored (clients send more than we use); known ones
-    # must have the right type.
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    # Fields the model does not declare are kept (model_extra), for
+    # undeclared_fields() to show to the field table (request_fields.py),
+    # which refuses what it does not allow: none is silently dropped. Declared
+    # ones must have the right type.
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
 class TextPart(_Strict):
@@ -49,6 +51,16 @@ class ChatMessage(_Strict):
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content
+
+    def for_template(self) -> dict:
+        message = {"role": self.role, "content": self.text()}
+        if self.name is not None:  # templates that know names use it; the others ignore it
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class StreamOptions(_Strict):
@@ -89,7 +101,7 @@ class _SamplingFields(_Strict):
     seed: Optional[Int64] = None
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
-    user: Optional[str] = None
+    user: Optional[str] = None  # accepted, unused (request_fields.py)
     # vLLM's extras
     top_k: Optional[Int32] = None
     min_p: Optional[float] = None
@@ -107,6 +119,9 @@ class _SamplingFields(_Strict):
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
+    truncate_prompt_tokens: Optional[Annotated[int, Field(ge=1, le=2**31 - 1)]] = None
+    request_id: Optional[Annotated[str, Field(min_length=1, max_length=256)]] = None
+    spaces_between_special_tokens: Optional[bool] = None  # accepted: special tokens are never shown
 
     def structured_outputs_spec(self) -> Optional[StructuredOutputs]:
         """The one output constraint the request asks for, or None; raises
@@ -207,14 +222,34 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[Int32] = None
     logprobs: bool = False
     top_logprobs: Optional[Int32] = None
+    safety_identifier: Optional[str] = None  # accepted, unused
+    prompt_cache_key: Optional[str] = None  # accepted, unused: prefix caching is automatic
+    # vLLM's: how the chat template renders the messages.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    add_special_tokens: bool = False  # the template writes the special tokens it wants
 
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[Int32], list[str], list[list[Int32]]]
     max_tokens: Optional[Int32] = 16  # the OpenAI default for completions
     logprobs: Optional[Int32] = None
-    echo: bool = False
-    suffix: Optional[str] = None
+    add_special_tokens: bool = True
+
+
+def undeclared_fields(model: BaseModel, path: str = "") -> Iterator[tuple[str, Any]]:
+    """(path, value) of every field the client sent that `model` and the
+    models in it do not declare, e.g. ("messages[2].tool_calls", [...])."""
+    for name, value in (model.model_extra or {}).items():
+        yield f"{path}{name}", value
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            yield from undeclared_fields(value, f"{path}{name}.")
+        elif isinstance(value, list) and value and isinstance(value[0], BaseModel):
+            for i, item in enumerate(value):
+                yield from undeclared_fields(item, f"{path}{name}[{i}].")
 
 
 def validation_message(exc: ValidationError) -> tuple[str, Optional[str]]:

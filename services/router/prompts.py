@@ -106,6 +106,12 @@ class PromptPool:
     async def completion(self, raw: bytes, max_model_len: Optional[int] = None) -> Prepared:
         return await self._submit("completion", raw, max_model_len)
 
+    async def tokenize(self, raw: bytes, max_model_len: Optional[int] = None) -> Prepared:
+        return await self._submit("tokenize", raw, max_model_len)
+
+    async def detokenize(self, raw: bytes, max_model_len: Optional[int] = None) -> Prepared:
+        return await self._submit("detokenize", raw, max_model_len)
+
     async def generate(self, raw: bytes, max_model_len: Optional[int] = None) -> list[int]:
         return await self._submit("generate", raw, max_model_len)
 

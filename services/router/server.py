@@ -33,6 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--model", default=DEFAULT_MODEL,
              help="the model the instances serve, for its tokenizer and chat template (the model id "
                   "and context length requests are checked against are what the instances report)")
+    add_flag(parser, "--served-model-name", default=None, nargs="+", metavar="NAME",
+             help="the names requests may give as their model (as vllm serve's flag): each is "
+                  "listed by /v1/models and the first is the model answers report; unset: the "
+                  "model the engines report (env: comma-separated)")
     add_flag(parser, "--tokenizer", default=None,
              help="tokenizer to use instead of the model's own: HF folder, .gguf file or 'smollm2' "
                   "(keep it equal to the engines')")
@@ -103,7 +107,17 @@ def _served_model(args: argparse.Namespace):
     aliases = {args.model}
     if loaded.model_id == EMBEDDED_MODEL_ID:
         aliases |= set(EMBEDDED_ALIASES)
-    return ServedModel(model_id=loaded.model_id, tokenizer=loaded.tokenizer, aliases=aliases)
+    return ServedModel(model_id=loaded.model_id, tokenizer=loaded.tokenizer, aliases=aliases,
+                       served_names=served_names_from_flag(getattr(args, "served_model_name", None)))
+
+
+def served_names_from_flag(names: Optional[list[str]]) -> list[str]:
+    """--served-model-name's names, in order, once each; an empty one stops the start."""
+    if names is None:
+        return []
+    if not names or any(not n.strip() for n in names):
+        config_error("--served-model-name: empty name; give one or more non-empty names")
+    return list(dict.fromkeys(n.strip() for n in names))
 
 
 class _Uvicorn:

@@ -197,7 +197,10 @@ def hermes_messages(messages: list[dict], tools: Optional[Sequence[dict]]) -> li
             content = "\n".join(([content] if content else []) + blocks)
         elif role == "tool":
             role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
-        out.append({"role": role, "content": content})
+        message = {"role": role, "content": content}
+        if m.get("name") is not None and role == m["role"]:
+            message["name"] = m["name"]
+        out.append(message)
     if tools:
         text = tools_system_text(tools)
         if out and out[0]["role"] == "system":
