@@ -61,6 +61,12 @@ class _SamplingFields(_Strict):
     min_tokens: Int32 = 0
     stop_token_ids: Optional[list[Int32]] = None
     include_stop_str_in_output: bool = False
+    # vLLM's beam search extras (services/router/beam.py): the beam width is
+    # best_of or n; best_of without use_beam_search must equal n.
+    use_beam_search: bool = False
+    best_of: Optional[Annotated[int, Field(ge=1, le=2**31 - 1)]] = None
+    length_penalty: float = 1.0
+    early_stopping: Union[bool, Literal["never"]] = False
 
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> common_pb2.SamplingParams:
         p = common_pb2.SamplingParams(
@@ -102,7 +108,7 @@ def validation_message(exc: ValidationError) -> tuple[str, Optional[str]]:
         return f"The body is not valid JSON: {first.get('msg')}", None
     # Union members add their type name to loc; keep only the field path.
     path = ".".join(p for p in loc if not p[0].isupper() and "[" not in p and p not in
-                    ("str", "list", "int", "function-after"))
+                    ("str", "list", "int", "bool", "function-after"))
     return f"{path or 'body'}: {first.get('msg')}", path or None
 
 
