@@ -71,9 +71,16 @@ async def beam_search(dispatcher: Dispatcher, tokenizer: Any, request_id: str, p
                                                    logprobs=params.num_logprobs, ignore_eos=True))
     round_ = 0
     while not search.done:
-        tops = await asyncio.gather(*(
-            _next_token_top(dispatcher, f"{request_id}-r{round_}-b{b}", prompt + beam.token_ids, step)
-            for b, beam in enumerate(search.live)))
+        tasks = [asyncio.ensure_future(_next_token_top(dispatcher, f"{request_id}-r{round_}-b{b}",
+                                                       prompt + beam.token_ids, step))
+                 for b, beam in enumerate(search.live)]
+        try:
+            tops = await asyncio.gather(*tasks)
+        finally:
+            # A failed beam (or a client gone) ends its siblings' calls too:
+            # gather alone would leave them running.
+            for task in tasks:
+                task.cancel()
         search.advance(tops)
         round_ += 1
     for index, beam in enumerate(search.best(n)):
