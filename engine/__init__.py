@@ -18,7 +18,8 @@ _EXPORTS = {
     "SamplingParams": "request", "SamplingParamsError": "request", "TokenLogprob": "request",
     "EngineStats": "llm_engine", "LLMEngine": "llm_engine", "RequestOutput": "outputs",
     "AsyncLLMEngine": "async_engine", "EngineDeadError": "async_engine",
-    "LLM": "llm", "CompletionOutput": "llm", "GenerateOutput": "llm",
+    "LLM": "llm", "CompletionOutput": "llm", "GenerateOutput": "llm", "BeamSearchOutput": "llm",
+    "BeamSearchParams": "beam_search", "BeamSearchParamsError": "beam_search",
     "StructuredOutputs": "structured_outputs",
 }
 

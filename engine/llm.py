@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
+from tandem.engine.beam_search import Beam, BeamSearch, BeamSearchParams, BeamSearchParamsError
 from tandem.engine.config import DEFAULT_MODEL, EngineArgs
 from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.outputs import RequestOutput
 from tandem.engine.request import SamplingParams, TokenLogprob
 
 Prompt = Union[str, Sequence[int]]
@@ -27,6 +29,12 @@ class GenerateOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
+
+
+@dataclass
+class BeamSearchOutput:
+    prompt_token_ids: list[int]
+    sequences: list[Beam]  # the finished hypotheses, best first (beam_width of them)
 
 
 def engine_args(model: str, **kwargs: Any) -> EngineArgs:
@@ -93,18 +101,64 @@ class LLM:
                 result.outputs.append(completion)
                 children[rid] = (result, completion)
                 self.engine.add_request(rid, ids, child)
+        for out in self._drain(list(children)):
+            result, completion = children[out.request_id]
+            completion.token_ids.extend(out.new_token_ids)
+            completion.text += out.new_text
+            completion.logprobs.extend(out.new_logprobs)
+            if out.finished:
+                completion.finish_reason = out.finish_reason
+                completion.stop_reason = out.stop_reason
+                result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens)
+        return results
+
+    def beam_search(self, prompts: Union[Prompt, Sequence[Prompt]],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search (engine/beam_search.py): each step scores every live
+        beam of every prompt in one engine run, one single-token request per
+        beam; the prefix cache shares the beams' common KV blocks."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params.validate()
+        ids = [self.encode(p) for p in prompts]
+        for i, p in enumerate(ids):
+            if len(p) + params.max_tokens > self.engine.max_model_len:
+                raise BeamSearchParamsError(
+                    f"max_tokens: prompt {i} ({len(p)} tokens) + max_tokens ({params.max_tokens}) "
+                    f"exceeds the model's context of {self.engine.max_model_len} tokens")
+        searches = [BeamSearch(params, self.engine.eos_token_id) for _ in ids]
+        # ignore_eos: with max_tokens=1 it changes nothing but keeps min_tokens
+        # rules out of the way; the search itself decides what EOS means.
+        step = SamplingParams(max_tokens=1, temperature=0.0, logprobs=params.num_logprobs, ignore_eos=True)
+        round_ = 0
+        while not all(s.done for s in searches):
+            wanted: dict[str, dict[int, float]] = {}
+            for i, s in enumerate(searches):
+                for b, beam in enumerate(s.live if not s.done else ()):
+                    rid = f"beam{round_}-{i}-{b}"
+                    wanted[rid] = {}
+                    self.engine.add_request(rid, ids[i] + beam.token_ids, step)
+            for out in self._drain(list(wanted)):
+                if out.new_logprobs:
+                    wanted[out.request_id] = out.new_logprobs[0].top
+            for i, s in enumerate(searches):
+                if not s.done:
+                    s.advance([wanted[f"beam{round_}-{i}-{b}"] for b in range(len(s.live))])
+            round_ += 1
+        results = []
+        for p, s in zip(ids, searches):
+            for beam in s.finished:
+                beam.text = self.tokenizer.decode(beam.token_ids, skip_special_tokens=True)
+            results.append(BeamSearchOutput(p, s.best()))
+        return results
+
+    def _drain(self, request_ids: list[str]) -> Iterator[RequestOutput]:
+        """Step the engine until it has nothing left, yielding every output. A
+        failed request raises its error after aborting `request_ids`, so that
+        nothing half-done stays behind in the engine for the next call."""
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 if out.error is not None:
-                    # Nothing half-done stays behind in the engine for the next call.
-                    self.engine.abort(list(children))
+                    self.engine.abort(request_ids)
                     raise out.error
-                result, completion = children[out.request_id]
-                completion.token_ids.extend(out.new_token_ids)
-                completion.text += out.new_text
-                completion.logprobs.extend(out.new_logprobs)
-                if out.finished:
-                    completion.finish_reason = out.finish_reason
-                    completion.stop_reason = out.stop_reason
-                    result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens)
-        return results
+                yield out

@@ -8,8 +8,10 @@ from typing import AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from tandem.engine.request import SamplingParams
 from tandem.engine.structured_outputs import StructuredOutputs, StructuredOutputsError
 from tandem.services.router.answers import Generation, answer
+from tandem.services.router.beam import beam_params, beam_search, beam_width
 from tandem.services.router.dispatch import Delta, merge_choices
 from tandem.services.router.frontend import Frontend, InvalidRequest, ModelView, new_request_id
 from tandem.services.router.openai_protocol import (ChatCompletionRequest, CompletionRequest,
@@ -84,9 +86,18 @@ class OpenAIEndpoints:
         answer_id, request_id = _ids("chatcmpl", body)
         n = params.n
         generation = Generation(answer_id, now(), view.model_id,
-                                self.frontend.generate(request_id, prompt, params),
+                                self._choices(body, request_id, prompt, params),
                                 num_choices=n, choices_per_prompt=n)
         return await answer(request, generation, shape, clock, body.stream, _include_usage(body))
+
+    def _choices(self, body, request_id: str, prompt: list[int],
+                 params: SamplingParams) -> AsyncIterator[tuple[int, Delta]]:
+        """One prompt's n choices: sampled, or the n best beams of a beam search."""
+        width = beam_width(body)
+        if width is None:
+            return self.frontend.generate(request_id, prompt, params)
+        return beam_search(self.frontend.dispatcher, self.frontend.model.tokenizer, request_id, prompt,
+                           beam_params(width, params.max_tokens, body), params.n)
 
     async def completion(self, request: Request, prepared: Prepared, view: ModelView,
                          clock: RequestClock) -> Response:
@@ -100,7 +111,7 @@ class OpenAIEndpoints:
             params = self.frontend.finalize_params(
                 len(prompt), body.sampling_params(body.max_tokens, body.logprobs, constraint),
                 view.max_model_len)
-            per_prompt.append(self.frontend.generate(f"{request_id}-p{pi}", prompt, params))
+            per_prompt.append(self._choices(body, f"{request_id}-p{pi}", prompt, params))
 
         async def flat() -> AsyncIterator[tuple[int, Delta]]:
             # Prompt pi's choice ci is choice pi*n+ci of the answer.

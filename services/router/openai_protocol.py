@@ -122,6 +122,12 @@ class _SamplingFields(_Strict):
     truncate_prompt_tokens: Optional[Annotated[int, Field(ge=1, le=2**31 - 1)]] = None
     request_id: Optional[Annotated[str, Field(min_length=1, max_length=256)]] = None
     spaces_between_special_tokens: Optional[bool] = None  # accepted: special tokens are never shown
+    # vLLM's beam search extras (services/router/beam.py): the beam width is
+    # best_of or n; best_of without use_beam_search must equal n.
+    use_beam_search: bool = False
+    best_of: Optional[Annotated[int, Field(ge=1, le=2**31 - 1)]] = None
+    length_penalty: float = 1.0
+    early_stopping: Union[bool, Literal["never"]] = False
 
     def structured_outputs_spec(self) -> Optional[StructuredOutputs]:
         """The one output constraint the request asks for, or None; raises
@@ -260,7 +266,7 @@ def validation_message(exc: ValidationError) -> tuple[str, Optional[str]]:
         return f"The body is not valid JSON: {first.get('msg')}", None
     # Union members add their type name to loc; keep only the field path.
     path = ".".join(p for p in loc if not p[0].isupper() and "[" not in p and p not in
-                    ("str", "list", "int", "function-after"))
+                    ("str", "list", "int", "bool", "function-after"))
     return f"{path or 'body'}: {first.get('msg')}", path or None
 
 

@@ -127,7 +127,8 @@ FIELDS: dict[str, FieldRule] = {
     "echo": refused("the answer does not repeat the prompt (chat: vLLM's echo neither)",
                     allows=_is(False)),
     "suffix": refused("no insertion (fill-in-the-middle)", allows=_is("")),
-    "best_of": not_yet("sampling more candidates than returned", allows=_is(1)),
+    "best_of": honoured("with use_beam_search: the beam width; without it only n (sampling more "
+                        "candidates than returned is not offered)"),
     # --- vLLM's extras ------------------------------------------------------------------
     "top_k": honoured("top-k sampling; -1 or 0: off"),
     "min_p": honoured("min-p sampling"),
@@ -163,9 +164,9 @@ FIELDS: dict[str, FieldRule] = {
     "return_tokens_as_token_ids": refused("logprobs name tokens by their text"),
     "documents": refused("no documents for the chat template"),
     "cache_salt": refused("the prefix cache is shared by every request; no salt separates them"),
-    "use_beam_search": not_yet("beam search", allows=_is(False)),
-    "length_penalty": not_yet("beam search", allows=_is(1, 1.0)),
-    "early_stopping": not_yet("beam search", allows=_is(False)),
+    "use_beam_search": honoured("beam search: the n best of best_of (or n) beams, as HF's generate"),
+    "length_penalty": honoured("beam search: finished beams score sum_logprobs / length**length_penalty"),
+    "early_stopping": honoured("beam search: true, false or \"never\" (HF's stopping rules)"),
     "guided_json": honoured("the answer follows this JSON schema"),
     "guided_regex": honoured("the answer matches this regex"),
     "guided_choice": honoured("the answer is one of these strings"),

@@ -85,6 +85,44 @@ def test_bad_chat_requests_get_openai_errors(client, name, body, status, param):
     assert param in (error["param"] or "") or param in error["message"]
 
 
+def completion(**overrides) -> dict:
+    body = {"prompt": "Hello", "max_tokens": 4}
+    body.update(overrides)
+    return body
+
+
+# Beam search (services/router/beam.py): refusals name the field.
+BAD_BEAM_REQUESTS = [
+    ("best_of without beam search", completion(best_of=3), "best_of"),
+    ("best_of below n", completion(use_beam_search=True, n=3, best_of=2), "best_of"),
+    ("beam width over 10", completion(use_beam_search=True, best_of=11), "best_of"),
+    ("n as width over 10", completion(use_beam_search=True, n=12), "n"),
+    ("early_stopping unknown", completion(use_beam_search=True, early_stopping="always"), "early_stopping"),
+    ("length_penalty not a number", completion(use_beam_search=True, length_penalty="1"), "length_penalty"),
+    ("sampling with beams", completion(use_beam_search=True, temperature=0.7), "temperature"),
+    ("logprobs with beams", completion(use_beam_search=True, logprobs=2), "logprobs"),
+    ("stop with beams", completion(use_beam_search=True, stop=["."]), "stop"),
+    ("chat logprobs with beams", dict(chat(use_beam_search=True, logprobs=True)), "logprobs"),
+]
+
+
+@pytest.mark.parametrize("name,body,param", BAD_BEAM_REQUESTS, ids=[c[0] for c in BAD_BEAM_REQUESTS])
+def test_bad_beam_search_requests_name_the_field(client, name, body, param):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"].startswith(f"{param}: "), error
+
+
+def test_neutral_sampling_values_pass_with_beam_search(client):
+    # temperature 0 and top_p 1 ask for nothing beam search does not do: the
+    # request gets as far as routing (no decode instance here: 503).
+    r = client.post("/v1/completions", json=completion(use_beam_search=True, n=2, temperature=0,
+                                                       top_p=1.0, best_of=2))
+    assert r.status_code == 503, r.text
+
+
 def test_malformed_json_is_a_400(client):
     r = client.post("/v1/chat/completions", content=b"{not json",
                     headers={"content-type": "application/json"})
