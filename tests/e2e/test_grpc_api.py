@@ -53,6 +53,25 @@ def test_generate_n_choices(stub):
     assert finished == {0, 1}
 
 
+def test_generate_follows_a_constraint(stub):
+    """SamplingParams.structured_outputs (a oneof): the same grammars as HTTP."""
+    import grpc
+
+    choices = common_pb2.StructuredOutputs(choice=common_pb2.Choices(choices=["red", "blue"]))
+    replies = generate(stub, prompt="My favourite colour is", params=common_pb2.SamplingParams(
+        max_tokens=8, temperature=0.0, structured_outputs=choices))
+    assert "".join(r.text for r in replies) in ("red", "blue")
+    regex = common_pb2.StructuredOutputs(regex=r"[0-9]{3}", field_name="structured_outputs.regex")
+    replies = generate(stub, prompt="A number:", params=common_pb2.SamplingParams(
+        max_tokens=8, temperature=0.0, structured_outputs=regex, logit_bias={28: -100.0}))
+    assert len("".join(r.text for r in replies)) == 3
+    with pytest.raises(grpc.RpcError) as info:
+        generate(stub, prompt="x", params=common_pb2.SamplingParams(
+            max_tokens=3, structured_outputs=common_pb2.StructuredOutputs(regex="(")))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("structured_outputs: the regex")
+
+
 # Bad requests: tests/e2e/test_bad_inputs.py (the table over HTTP and gRPC).
 
 
