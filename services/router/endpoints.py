@@ -78,7 +78,8 @@ class OpenAIEndpoints:
             constraint = forced or constraint
             shape = ToolChatShape(self.formatter, logprobs,
                                   parser=None if forced else parser_for(self.frontend.model.tokenizer.chat_template),
-                                  tool_choice=body.tool_choice, tool_names={t.function.name for t in body.tools})
+                                  tool_choice=body.tool_choice, tool_names={t.function.name for t in body.tools},
+                                  parallel=body.parallel_tool_calls)
         elif body.tool_choice not in (None, "none"):
             raise InvalidRequest("tool_choice: needs tools", param="tool_choice")
         params = self.frontend.finalize_params(

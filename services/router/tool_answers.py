@@ -31,6 +31,7 @@ class ToolChatShape(ChatShape):
     parser: Optional[ToolCallParser] = None  # None: the call is forced (tool_choice)
     tool_choice: object = None
     tool_names: set[str] = field(default_factory=set)
+    parallel: bool = True  # False: one call at most (parallel_tool_calls)
     _held: dict[int, _Held] = field(default_factory=dict)
 
     def calls(self, text: str) -> tuple[Optional[str], list[ToolCall]]:
@@ -41,7 +42,10 @@ class ToolChatShape(ChatShape):
                 # Cut short by max_tokens: the grammar did not finish, so the
                 # partial JSON goes back as content with finish_reason "length".
                 return text, []
-        return self.parser.parse(text, self.tool_names)
+        content, calls = self.parser.parse(text, self.tool_names)
+        # A free answer may hold several calls; without parallel calls the
+        # first is the answer (a forced call's grammar allows only one).
+        return content, calls if self.parallel else calls[:1]
 
     def chunk_choice(self, index: int, delta: Delta, text_offset: int) -> Optional[dict]:
         held = self._held.setdefault(index, _Held())
@@ -61,9 +65,10 @@ class ToolChatShape(ChatShape):
             elif len(held.text) > held.sent:
                 out["content"] = out.get("content", "") + held.text[held.sent:]
             held.sent = len(held.text)
-        if not out and not finish:
+        lps = {"content": self.formatter.chat(delta.logprobs)} if self.logprobs is not None else None
+        if not out and not finish and not lps:
             return None
-        return {"index": index, "delta": out, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "delta": out, "logprobs": lps, "finish_reason": finish}
 
     def _plain_prefix(self, held: _Held) -> int:
         """How much of the text is surely content: up to the first marker,

@@ -124,3 +124,13 @@ def test_a_forced_call_cut_by_max_tokens_comes_back_as_content():
                           tool_names={"get_time"})
     last = shape.chunk_choice(0, _delta('[{"name": "get_ti', "length"), 0)
     assert last["finish_reason"] == "length" and last["delta"] == {"content": '[{"name": "get_ti'}
+
+
+def test_without_parallel_calls_a_free_answer_keeps_its_first_call():
+    text = ('<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>'
+            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    for parallel, expected in ((True, 2), (False, 1)):
+        shape = ToolChatShape(LogprobFormatter(_NoTokenizer()), None, parser=HermesToolParser(),
+                              tool_choice="auto", tool_names={"get_time"}, parallel=parallel)
+        last = shape.chunk_choice(0, _delta(text, "stop"), 0)
+        assert len(last["delta"]["tool_calls"]) == expected
