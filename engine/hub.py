@@ -26,15 +26,17 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-# What the loader reads from a model folder, and nothing else: a repo often
-# also holds *.bin / *.pth / *.gguf / *.onnx copies of the same weights that
-# would double or triple the download.
-ALLOW_PATTERNS = (
+# What the router reads (load_tokenizer): the tokenizer, its chat template,
+# and config.json (which marks a folder as a model's).
+TOKENIZER_PATTERNS = (
     "config.json", "generation_config.json",
-    "*.safetensors", "*.safetensors.index.json",
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
     "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
 )
+# What an engine reads from a model folder, and nothing else: a repo often
+# also holds *.bin / *.pth / *.gguf / *.onnx copies of the same weights that
+# would double or triple the download.
+ALLOW_PATTERNS = (*TOKENIZER_PATTERNS, "*.safetensors", "*.safetensors.index.json")
 # The loader reads the folder's top level only (engine/loader.py globs
 # *.safetensors there); fnmatch's `*` also matches `/`, so "*.safetensors"
 # alone would fetch e.g. a subfolder's second copy of the weights too.
@@ -81,18 +83,20 @@ def cache_dir(source: HubSource) -> str:
     return os.path.abspath(os.path.expanduser(source.cache_dir or constants.HF_HUB_CACHE))
 
 
-def snapshot_folder(repo_id: str, source: HubSource = HubSource()) -> str:
-    """The local folder of `repo_id` at `source.revision`: downloaded (only
-    ALLOW_PATTERNS) or found in the cache. Raises HubModelNotFound."""
+def snapshot_folder(repo_id: str, source: HubSource = HubSource(),
+                    patterns: tuple[str, ...] = ALLOW_PATTERNS) -> str:
+    """The local folder of `repo_id` at `source.revision` holding the files
+    `patterns` match: downloaded or found in the cache. Raises HubModelNotFound."""
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import (GatedRepoError, IncompleteSnapshotError,
+                                        LocalEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
 
     revision = source.revision or "main"
     is_offline = offline()
     try:
         return snapshot_download(repo_id, revision=source.revision, cache_dir=source.cache_dir,
-                                 allow_patterns=list(ALLOW_PATTERNS),
+                                 allow_patterns=list(patterns),
                                  ignore_patterns=list(IGNORE_PATTERNS),
                                  local_files_only=is_offline)
     except GatedRepoError as exc:  # a RepositoryNotFoundError: check it first
@@ -106,13 +110,15 @@ def snapshot_folder(repo_id: str, source: HubSource = HubSource()) -> str:
         raise HubModelNotFound(
             f"model {repo_id!r} has no revision {revision!r} on the Hugging Face Hub") from exc
     except LocalEntryNotFoundError as exc:
-        # Also IncompleteSnapshotError (a subclass): a download cut short.
+        # IncompleteSnapshotError (a subclass): the commit's listing names files
+        # the snapshot lacks (a download cut short, or one of fewer patterns).
+        held = ("is only partly" if isinstance(exc, IncompleteSnapshotError) else "is not")
         why = ("HF_HUB_OFFLINE is set" if is_offline
                else f"the Hub cannot be reached ({type(exc.__cause__ or exc).__name__})")
         where = cache_dir(source)
         fill = f"hf download {repo_id}" + (f" --revision {source.revision}" if source.revision else "")
         fill += f" --cache-dir {where}"
         raise HubModelNotFound(
-            f"model {repo_id!r} (revision {revision}) is not in the Hugging Face cache {where} and "
+            f"model {repo_id!r} (revision {revision}) {held} in the Hugging Face cache {where} and "
             f"{why}: fill the cache where the Hub can be reached (`{fill}`, or run tandem there once "
             f"with the same --download-dir), or give a local model folder") from exc

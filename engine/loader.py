@@ -79,9 +79,10 @@ def embedded_gguf_path() -> str:
 
 
 def resolve_source(model: str, load_format: str = "auto",
-                   hub_source: hub.HubSource = hub.HubSource()) -> ModelSource:
+                   hub_source: hub.HubSource = hub.HubSource(), weights: bool = True) -> ModelSource:
     """Where `model` is. A Hub id is downloaded (or found in the Hub cache)
-    here, at `hub_source`'s revision and cache folder."""
+    here, at `hub_source`'s revision and cache folder; weights=False: its
+    config and tokenizer files only (the router's view)."""
     if model in EMBEDDED_ALIASES:
         return ModelSource("gguf" if load_format != "dummy" else "dummy", EMBEDDED_MODEL_ID,
                            embedded_gguf_path())
@@ -97,7 +98,8 @@ def resolve_source(model: str, load_format: str = "auto",
         return ModelSource("hf_dir", os.path.basename(os.path.normpath(model)), model)
     if hub.is_hub_id(model) and not model.endswith(".gguf"):
         try:
-            folder = hub.snapshot_folder(model, hub_source)
+            folder = hub.snapshot_folder(
+                model, hub_source, hub.ALLOW_PATTERNS if weights else hub.TOKENIZER_PATTERNS)
         except hub.HubModelNotFound as exc:
             raise ModelNotFoundError(str(exc)) from exc
         if not os.path.exists(os.path.join(folder, "config.json")):
@@ -212,7 +214,7 @@ def load_tokenizer(model: str, tokenizer: Optional[str] = None,
     from tandem.engine import gguf_cache
 
     # A Hub id resolves to its snapshot folder here too: huggingface_hub needs no torch.
-    source = resolve_source(model, hub_source=hub_source)
+    source = resolve_source(model, hub_source=hub_source, weights=False)
     if tokenizer in EMBEDDED_ALIASES:
         tokenizer = embedded_gguf_path()
     path = tokenizer or source.path

@@ -32,7 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--decode", default="", help="decode instances as host:port,host:port (at least one)")
     add_flag(parser, "--model", default=DEFAULT_MODEL,
              help="the model the instances serve, for its tokenizer and chat template (the model id "
-                  "and context length requests are checked against are what the instances report)")
+                  "and context length requests are checked against are what the instances report); "
+                  "a Hub id (org/name) fetches its tokenizer files only, with huggingface_hub's "
+                  "progress bars")
     add_flag(parser, "--served-model-name", default=None, nargs="+", metavar="NAME",
              help="the names requests may give as their model (as vllm serve's flag): each is "
                   "listed by /v1/models and the first is the model answers report; unset: the "

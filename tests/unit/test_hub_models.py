@@ -139,3 +139,22 @@ def test_the_router_loads_a_hub_tokenizer_from_the_env_without_torch(repo):
     assert done.returncode == 0, done.stderr
     ids = load_model_info("smollm2").tokenizer.encode("Once upon a time")
     assert done.stdout.split("\n")[0] == f"org/tiny {ids} False"
+
+
+def test_the_router_asks_for_the_tokenizer_files_only(repo, tmp_path):
+    """A snapshot that holds only what a tokenizer-only download fetches (the
+    commit lists its weights too): enough for the router's view, and an
+    engine on it is told the snapshot is incomplete."""
+    from tandem.engine.hub import TOKENIZER_PATTERNS
+    from tandem.engine.loader import load_tokenizer
+
+    _, folders = repo
+    files = folder_files(folders["main"])
+    assert "model.safetensors" in files and "model.safetensors" not in TOKENIZER_PATTERNS
+    cache = HubCache(str(tmp_path / "cache"))
+    cache.add_commit("org/tok", {p: b for p, b in files.items() if p != "model.safetensors"},
+                     listed_only=("model.safetensors",))
+    source = HubSource(cache_dir=cache.root)
+    assert load_tokenizer("org/tok", hub_source=source).model_id == "org/tok"
+    with pytest.raises(ModelNotFoundError, match=r"'org/tok' \(revision main\) is only partly in the Hugging Face cache"):
+        resolve_source("org/tok", hub_source=source)
