@@ -48,6 +48,10 @@ class ModelConfig:
     # dummy weights); otherwise read from `model`.
     hf_config: Optional[object] = None
     tokenizer: Optional[str] = None  # a HF folder, a .gguf file or "smollm2"; None: `model`'s own
+    # A Hub id's revision (branch, tag or commit; None: main) and Hub cache
+    # folder (None: huggingface_hub's); see engine/hub.py.
+    revision: Optional[str] = None
+    download_dir: Optional[str] = None
 
 
 @dataclass
@@ -141,8 +145,16 @@ class EngineArgs:
 
     # --- model
     model: str = flag_field(
-        DEFAULT_MODEL, "model id, HF folder or .gguf file; the default is the embedded "
-        "SmolLM2-135M-Instruct (also called 'smollm2')", group=_MODEL)
+        DEFAULT_MODEL, "Hugging Face Hub id (org/name: downloaded into the Hub cache with "
+        "huggingface_hub, which shows its own progress bars; HF_TOKEN for gated models; "
+        "HF_HUB_OFFLINE=1 reads the cache only), HF folder or .gguf file; the default is the "
+        "embedded SmolLM2-135M-Instruct (also called 'smollm2'), never downloaded", group=_MODEL)
+    revision: Optional[str] = flag_field(
+        None, "with a Hub id: the branch, tag or commit to serve; unset: main", group=_MODEL)
+    download_dir: Optional[str] = flag_field(
+        None, "with a Hub id: the Hugging Face cache folder to download into and read from; "
+        "unset: huggingface_hub's (HF_HUB_CACHE, else ~/.cache/huggingface/hub)", group=_MODEL,
+        metavar="DIR")
     tokenizer: Optional[str] = flag_field(
         None, "tokenizer to use instead of the model's own: HF folder, .gguf file or 'smollm2' "
         "(e.g. for a dummy-weight model given as a config.json alone)", group=_MODEL)
@@ -262,7 +274,8 @@ class EngineArgs:
         return EngineConfig(
             model=ModelConfig(model=self.model, load_format=self.load_format, dtype=self.dtype,
                               max_model_len=self.max_model_len, seed=self.seed,
-                              hf_config=self.hf_config, tokenizer=self.tokenizer),
+                              hf_config=self.hf_config, tokenizer=self.tokenizer,
+                              revision=self.revision, download_dir=self.download_dir),
             cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks,
                               gpu_memory_utilization=self.gpu_memory_utilization,
                               cpu_kv_cache_gib=self.cpu_kv_cache_gib,

@@ -19,6 +19,7 @@ from tandem.engine.detokenizer import Detokenizer
 from tandem.engine.host_kv_tier import HostKVTier
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.kv_swapper import KVSwapper
+from tandem.engine.hub import HubSource
 from tandem.engine.loader import ModelInfo, load_model_info
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.outputs import RequestOutput, request_output, take_external_tokens
@@ -93,7 +94,7 @@ class LLMEngine:
         self.config = config = config.with_defaults()
         mc = config.model
         self.info = info or load_model_info(mc.model, mc.load_format, mc.hf_config, mc.tokenizer,
-                                            mc.max_model_len)
+                                            mc.max_model_len, HubSource(mc.revision, mc.download_dir))
         self.tokenizer = self.info.tokenizer
         self.model_id = self.info.model_id
         self.runner = ModelRunner(config, self.info)

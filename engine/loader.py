@@ -1,5 +1,6 @@
-"""Where a model comes from: a HF folder (config.json + safetensors), a GGUF
-file (through transformers' GGUF reader), the embedded SmolLM2, or random
+"""Where a model comes from: a HF folder (config.json + safetensors), a
+Hugging Face Hub id (its snapshot folder in the Hub cache, engine/hub.py), a
+GGUF file (through transformers' GGUF reader), the embedded SmolLM2, or random
 ("dummy") weights for benchmarks.
 
 transformers supplies configs, tokenizers, chat templates and weight
@@ -25,6 +26,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
+from tandem.engine import hub
 from tandem.engine.config import DEFAULT_MODEL
 
 if TYPE_CHECKING:  # torch is imported where weights are loaded: the router only needs tokenizers
@@ -76,7 +78,11 @@ def embedded_gguf_path() -> str:
     return files[0]
 
 
-def resolve_source(model: str, load_format: str = "auto") -> ModelSource:
+def resolve_source(model: str, load_format: str = "auto",
+                   hub_source: hub.HubSource = hub.HubSource(), weights: bool = True) -> ModelSource:
+    """Where `model` is. A Hub id is downloaded (or found in the Hub cache)
+    here, at `hub_source`'s revision and cache folder; weights=False: its
+    config and tokenizer files only (the router's view)."""
     if model in EMBEDDED_ALIASES:
         return ModelSource("gguf" if load_format != "dummy" else "dummy", EMBEDDED_MODEL_ID,
                            embedded_gguf_path())
@@ -90,13 +96,23 @@ def resolve_source(model: str, load_format: str = "auto") -> ModelSource:
                 f"model {model!r}: the folder {os.path.abspath(model)} has no config.json; give a HF "
                 f"model folder (config.json and *.safetensors), a .gguf file, or {_EMBEDDED_HINT}")
         return ModelSource("hf_dir", os.path.basename(os.path.normpath(model)), model)
+    if hub.is_hub_id(model) and not model.endswith(".gguf"):
+        try:
+            folder = hub.snapshot_folder(
+                model, hub_source, hub.ALLOW_PATTERNS if weights else hub.TOKENIZER_PATTERNS)
+        except hub.HubModelNotFound as exc:
+            raise ModelNotFoundError(str(exc)) from exc
+        if not os.path.exists(os.path.join(folder, "config.json")):
+            raise ModelNotFoundError(
+                f"model {model!r}: its Hub snapshot {folder} has no config.json; tandem serves "
+                f"HF transformers models (config.json and *.safetensors)")
+        # The id, as vLLM reports it: clients ask for the model by the name it was started with.
+        return ModelSource("hf_dir", model, folder)
     where = os.path.abspath(model)
     looked = f"no file {where}" if model.endswith(".gguf") else f"no folder or file {where}"
-    advice = (f"give a HF model folder (config.json and *.safetensors), a .gguf file, or "
-              f"{_EMBEDDED_HINT}; tandem does not download models")
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", model):  # a Hugging Face Hub id
-        advice += f": `huggingface-cli download {model} --local-dir DIR`, then pass DIR"
-    raise ModelNotFoundError(f"model {model!r} not found: {looked}; {advice}")
+    raise ModelNotFoundError(
+        f"model {model!r} not found: {looked}; give a HF model folder (config.json and "
+        f"*.safetensors), a Hugging Face Hub id (org/name), a .gguf file, or {_EMBEDDED_HINT}")
 
 
 @functools.lru_cache(maxsize=8)
@@ -146,8 +162,9 @@ def _readable(kind: str, path: Optional[str]) -> tuple[str, Optional[str]]:
 
 
 def load_model_info(model: str, load_format: str = "auto", hf_config: Any = None,
-                    tokenizer: Optional[str] = None, max_model_len: Optional[int] = None) -> ModelInfo:
-    source = resolve_source(model, load_format)
+                    tokenizer: Optional[str] = None, max_model_len: Optional[int] = None,
+                    hub_source: hub.HubSource = hub.HubSource()) -> ModelInfo:
+    source = resolve_source(model, load_format, hub_source)
     try:
         kind, path = _readable(source.kind, source.path)
         config = hf_config if hf_config is not None else _hf_config(
@@ -183,7 +200,8 @@ class ModelTokenizer:
     tokenizer: Any
 
 
-def load_tokenizer(model: str, tokenizer: Optional[str] = None) -> ModelTokenizer:
+def load_tokenizer(model: str, tokenizer: Optional[str] = None,
+                   hub_source: hub.HubSource = hub.HubSource()) -> ModelTokenizer:
     """The tokenizer of `model` (or the one `tokenizer` names), in a process
     that never imports torch.
 
@@ -195,7 +213,8 @@ def load_tokenizer(model: str, tokenizer: Optional[str] = None) -> ModelTokenize
     tokenizer."""
     from tandem.engine import gguf_cache
 
-    source = resolve_source(model)
+    # A Hub id resolves to its snapshot folder here too: huggingface_hub needs no torch.
+    source = resolve_source(model, hub_source=hub_source, weights=False)
     if tokenizer in EMBEDDED_ALIASES:
         tokenizer = embedded_gguf_path()
     path = tokenizer or source.path

@@ -16,7 +16,8 @@ def register(subparsers) -> None:
                     "point a client. A process that exits is restarted on its own port after a "
                     "back-off (--no-restart: the stack stops instead). Ctrl+C (or SIGTERM) stops "
                     "everything. The engine flags (model, KV cache, scheduler, runtime) go to every "
-                    "prefill and decode engine as given; --model and --tokenizer to the router too.")
+                    "prefill and decode engine as given; --model, --tokenizer, --revision and "
+                    "--download-dir to the router too.")
     up.add_up_arguments(parser)
     parser.set_defaults(handler=up.cmd_up)
     serve.register(subparsers)

@@ -100,6 +100,9 @@ def plan_stack(args: argparse.Namespace, log_dir: str) -> tuple[Child, list[Chil
                     "--max-in-flight", str(args.max_in_flight), *tls_flags]
     if args.tokenizer:
         router_flags += ["--tokenizer", args.tokenizer]
+    for flag, value in (("--revision", args.revision), ("--download-dir", args.download_dir)):
+        if value:
+            router_flags += [flag, value]
     if getattr(args, "served_model_name", None):
         router_flags += ["--served-model-name", *args.served_model_name]
     return kvstore, prefills, decodes, router_flags

@@ -133,6 +133,7 @@ def _check_before_start(args: argparse.Namespace) -> None:
     """Stop at once (`error: ...`, status 2) over what would make the stack
     fail for certain, minutes of model loading later: an empty API key, a
     taken fixed port, a bad engine setting, a model that is not there."""
+    from tandem.engine.hub import HubSource
     from tandem.engine.loader import ModelNotFoundError, resolve_source
     from tandem.services.router.server import api_keys_from_flag, served_names_from_flag
 
@@ -151,7 +152,8 @@ def _check_before_start(args: argparse.Namespace) -> None:
     except ConfigError as exc:
         config_error(str(exc))
     try:
-        resolve_source(args.model, args.load_format)
+        # A Hub id is downloaded here, once, before the engines start and find it in the cache.
+        resolve_source(args.model, args.load_format, HubSource(args.revision, args.download_dir))
     except ModelNotFoundError as exc:
         config_error(f"--model: {exc}")
 
@@ -208,5 +210,5 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--keep-going", type=bool, default=False,
              help="when a child is not restarted (--no-restart, or it cannot start): keep serving "
                   "without it instead of stopping the stack (fault tests)")
-    # --model and --tokenizer reach the router too.
+    # --model, --tokenizer, --revision and --download-dir reach the router too.
     EngineArgs.add_cli_args(p, skip=("kv_transfer", *LAUNCHER_DECIDES))

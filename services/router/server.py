@@ -32,7 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--decode", default="", help="decode instances as host:port,host:port (at least one)")
     add_flag(parser, "--model", default=DEFAULT_MODEL,
              help="the model the instances serve, for its tokenizer and chat template (the model id "
-                  "and context length requests are checked against are what the instances report)")
+                  "and context length requests are checked against are what the instances report); "
+                  "a Hub id (org/name) fetches its tokenizer files only, with huggingface_hub's "
+                  "progress bars")
     add_flag(parser, "--served-model-name", default=None, nargs="+", metavar="NAME",
              help="the names requests may give as their model (as vllm serve's flag): each is "
                   "listed by /v1/models and the first is the model answers report; unset: the "
@@ -40,6 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--tokenizer", default=None,
              help="tokenizer to use instead of the model's own: HF folder, .gguf file or 'smollm2' "
                   "(keep it equal to the engines')")
+    # The engines' flags of the same names (and env twins): the router reads the
+    # tokenizer files of the same Hub snapshot the engines read the weights of.
+    add_flag(parser, "--revision", default=None,
+             help="with a Hub id as --model: the branch, tag or commit (keep it equal to the engines'); "
+                  "unset: main")
+    add_flag(parser, "--download-dir", default=None, metavar="DIR",
+             help="with a Hub id as --model: the Hugging Face cache folder; unset: huggingface_hub's")
     add_flag(parser, "--routing", default="least_loaded", choices=list(POLICIES),
              help="how to pick an instance in each tier: round_robin, least_loaded (outstanding "
                   "prefill tokens; running requests and KV usage for decode), or prefix_affinity "
@@ -96,12 +105,15 @@ def api_keys_from_flag(keys: Optional[list[str]]) -> list[str]:
 def _served_model(args: argparse.Namespace):
     """The tokenizer only: the model's id and context come from the engines,
     and its config would bring torch into this process (loader.load_tokenizer)."""
+    from tandem.engine.hub import HubSource
     from tandem.engine.loader import (EMBEDDED_ALIASES, EMBEDDED_MODEL_ID, ModelNotFoundError,
                                       load_tokenizer)
     from tandem.services.router.frontend import ServedModel
 
     try:
-        loaded = load_tokenizer(args.model, tokenizer=getattr(args, "tokenizer", None))
+        hub_source = HubSource(getattr(args, "revision", None), getattr(args, "download_dir", None))
+        loaded = load_tokenizer(args.model, tokenizer=getattr(args, "tokenizer", None),
+                                hub_source=hub_source)
     except ModelNotFoundError as exc:
         config_error(f"--model: {exc}")
     aliases = {args.model}

@@ -62,10 +62,15 @@ def test_a_missing_model_is_an_error_that_says_where_it_looked(command, tmp_path
     assert "'smollm2' for the embedded SmolLM2-135M-Instruct" in result.stderr
 
 
-def test_a_hub_id_is_told_how_to_download(tmp_path):
-    result = up("--model", "meta-llama/Llama-3.1-8B")
-    assert_one_line_error(result, "error: --model: model 'meta-llama/Llama-3.1-8B' not found")
-    assert "huggingface-cli download meta-llama/Llama-3.1-8B --local-dir DIR" in result.stderr
+@pytest.mark.parametrize("command", [up, router], ids=["up", "serve router"])
+def test_a_hub_id_missing_from_the_cache_offline_is_told_how_to_fill_it(command, tmp_path):
+    """Offline (and no network in tests): the Hub cache only, and a clear error."""
+    cache = str(tmp_path / "hub")
+    result = command("--model", "meta-llama/Llama-3.1-8B", "--revision", "v1", "--download-dir", cache,
+                     env={"HF_HUB_OFFLINE": "1"})
+    assert_one_line_error(result, "error: --model: model 'meta-llama/Llama-3.1-8B' (revision v1) is not "
+                                  f"in the Hugging Face cache {cache} and HF_HUB_OFFLINE is set")
+    assert f"hf download meta-llama/Llama-3.1-8B --revision v1 --cache-dir {cache}" in result.stderr
 
 
 def test_banner_curl_lets_the_shell_expand_the_api_key(capsys):

@@ -17,8 +17,9 @@ from tests.support.helm import CHART, NAMESPACE, by_kind, container, env_of, ren
 
 pytestmark = pytest.mark.timeout(120)
 
-# Settings the chart takes elsewhere: every role, the router too, serves `model`.
-CHART_OWNED = {"model"}
+# Settings the chart takes elsewhere: every role, the router too, serves `model`
+# at one `model.revision` (the router's tokenizer and the engines' weights from one commit).
+CHART_OWNED = {"model", "revision"}
 SCHEMA_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}
 
 
@@ -116,3 +117,13 @@ def test_render_refuses_engine_args_a_cluster_cannot_run(values, message):
 def test_lint_rejects_unknown_or_bad_engine_args(values, path):
     report = helm.lint(CHART, values, strict=True, namespace=NAMESPACE)
     assert any(path in m["error"] for m in report["messages"] if m["severity"] == 3), report
+
+
+def test_a_hub_revision_reaches_every_role_the_router_too():
+    """model.revision is chart-wide: the router's tokenizer and the engines'
+    weights come from one commit of the Hub repo."""
+    manifests, _ = render({"model": {"source": "hub", "name": "org/tiny", "revision": "v2"}})
+    deployments = by_kind(manifests, "Deployment")
+    for role in ("router", "prefill", "decode"):
+        env = env_of(deployments[f"demo-tandem-{role}"])
+        assert (env["TANDEM_MODEL"], env["TANDEM_REVISION"]) == ("org/tiny", "v2"), role

@@ -84,3 +84,20 @@ def test_engines_do_not_inherit_the_env_twins_the_launcher_already_read(tmp_path
     start_child(probe)
     probe.process.wait(30)
     assert open(probe.log_path).read().split() == ["None", "kept"]
+
+
+def test_a_hub_revision_and_cache_reach_the_engines_and_the_router(tmp_path, monkeypatch):
+    """The router reads the tokenizer of the same snapshot the engines read the weights of."""
+    from tandem.services.router.server import add_arguments as add_router_arguments
+
+    for name in ("TANDEM_REVISION", "TANDEM_DOWNLOAD_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    _, prefills, decodes, router_flags = plan("--model", "org/tiny", "--revision", "v2",
+                                              "--download-dir", "/hub", tmp_path=tmp_path)
+    for child in prefills + decodes:
+        args = engine_args_of(child.argv)
+        assert (args.model, args.revision, args.download_dir) == ("org/tiny", "v2", "/hub")
+    p = argparse.ArgumentParser()
+    add_router_arguments(p)
+    router = p.parse_args(router_flags)
+    assert (router.model, router.revision, router.download_dir) == ("org/tiny", "v2", "/hub")

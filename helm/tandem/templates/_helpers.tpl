@@ -154,6 +154,10 @@ over the global `env`. Usage: (dict "root" $ "role" "decode" "model" true "engin
 - name: TANDEM_MODEL
   value: {{ $model | quote }}
 {{- end }}
+{{- if and (eq $v.model.source "hub") $v.model.revision }}
+- name: TANDEM_REVISION
+  value: {{ $v.model.revision | quote }}
+{{- end }}
 {{- if and (eq $v.model.source "hub") $v.model.hfTokenSecret }}
 - name: HF_TOKEN
   valueFrom:
