@@ -50,7 +50,8 @@ def _greedy(llm, so: StructuredOutputs, max_tokens: int = 160) -> SamplingParams
 
 
 def test_json_schema_answers_validate(llm):
-    schemas = SCHEMAS[::5] + SCHEMAS[3::10]  # every shape, several domains
+    # One of each shape, from five domains (the e2e test runs all fifty).
+    schemas = [SCHEMAS[i * 11] for i in range(5)]
     prompts = [llm.chat_prompt([{"role": "user", "content": prompt_for(s)}]) for s in schemas]
     outs = llm.generate(prompts, [_greedy(llm, StructuredOutputs(json=s)) for s in schemas])
     for schema, out in zip(schemas, outs):
