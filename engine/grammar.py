@@ -5,11 +5,12 @@ Why xgrammar (docs/structured_outputs.md): it is vLLM's default, it compiles
 a JSON schema over a 50k-token vocabulary in milliseconds here, keeps its own
 cache of compiled grammars, and fills the token bitmasks of a whole batch in
 one call on its own threads, outside the GIL. llguidance would fit the same
-interface: a backend is `check`, `compile`, `matcher` and `fill_bitmasks`.
+interface: a backend is `compile`, `matcher`, `fill_bitmasks` and
+`accept_tokens`.
 
 A bitmask row holds one bit per vocabulary token (1: allowed), 32 per int32;
-`apply_bitmask` is the plain-torch step that turns disallowed logits to -inf
-on whatever device the logits are.
+TokenMasks applies a step's rows to the logits (xgrammar's kernels), and
+`apply_bitmask_torch` is their plain-torch twin, on any device.
 """
 from __future__ import annotations
 
@@ -32,8 +33,6 @@ class Matcher(Protocol):
     """One request's position in its grammar."""
 
     def accept_token(self, token_id: int) -> bool: ...
-
-    def is_terminated(self) -> bool: ...
 
 
 class GrammarBackend(Protocol):
@@ -144,12 +143,6 @@ def _reason(exc: Exception) -> str:
     return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", lines[0])
 
 
-def check(spec: StructuredOutputs) -> None:
-    """Raise StructuredOutputsError when the constraint cannot become a
-    grammar. Cheap (no vocabulary): the router runs it before dispatching."""
-    _grammar(spec)
-
-
 class XGrammarBackend:
     name = "xgrammar"
 
@@ -214,4 +207,4 @@ def allocate_bitmask(rows: int, vocab_size: int, pin: bool = False) -> torch.Ten
 
 
 __all__ = ["GrammarBackend", "Matcher", "XGrammarBackend", "allocate_bitmask", "allowed_tokens",
-           "TokenMasks", "apply_bitmask_torch", "bitmask_width", "check", "new_backend"]
+           "TokenMasks", "apply_bitmask_torch", "bitmask_width", "new_backend"]
