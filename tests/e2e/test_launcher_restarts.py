@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tandem.services.launcher.supervisor import START_TRIES
-from tests.support.stack import StackOptions, TandemStack, _alive
+from tests.support.stack import StackOptions, TandemStack, _alive, owned_stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -20,13 +20,8 @@ SMALL = ("--num-blocks", "64", "--max-model-len", "512")
 
 
 def private_stack(when_child_exits: str):
-    stack = TandemStack(StackOptions(prefill=0, decode=1, extra_args=SMALL, private=True,
-                                     when_child_exits=when_child_exits))
-    try:
-        stack.start()
-        yield stack
-    finally:
-        stack.stop()
+    yield from owned_stack(StackOptions(prefill=0, decode=1, extra_args=SMALL, private=True,
+                                        when_child_exits=when_child_exits))
 
 
 @pytest.fixture(scope="module")

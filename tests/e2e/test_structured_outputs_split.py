@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from tests.support.json_schemas import SCHEMAS, prompt_for
-from tests.support.stack import StackOptions, TandemStack
+from tests.support.stack import StackOptions, owned_stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
@@ -26,12 +26,7 @@ CONCURRENCY = 16
 @pytest.fixture(scope="module")
 def stack():
     # Private: the last test stops the KV store.
-    stack = TandemStack(StackOptions(prefill=1, decode=1, private=True, extra_args=("--num-blocks", "600")))
-    try:
-        stack.start()
-        yield stack
-    finally:
-        stack.stop()
+    yield from owned_stack(StackOptions(prefill=1, decode=1, private=True, extra_args=("--num-blocks", "600")))
 
 
 @pytest.fixture(scope="module")

@@ -239,6 +239,17 @@ class TandemStack:
             time.sleep(0.2)
 
 
+def owned_stack(options: StackOptions) -> Iterator[TandemStack]:
+    """A stack one module owns (a fixture's body: `yield from owned_stack(...)`),
+    stopped when the fixture ends, also when it failed to start."""
+    stack = TandemStack(options)
+    try:
+        stack.start()
+        yield stack
+    finally:
+        stack.stop()
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
