@@ -19,7 +19,10 @@
 #
 # Environment knobs (defaults for the H100 run): PRESET llama-3-8b, DEVICE cuda, MEM 0.45 (each
 # engine's share of the GPU), MIXES ("long sharegpt"), LONG_RATES, LONG_N, SHAREGPT_RATES, SHAREGPT_N, LONG_BUDGET and
-# SHAREGPT_BUDGET (seconds each mix's sweep may take; points done by then are kept), PORT.
+# SHAREGPT_BUDGET (seconds each mix's sweep may take; points done by then are kept), PORT,
+# SPY (py-spy profiles of the engines, their KV movers and the store during each sweep, SPY samples
+# a second, when py-spy is on the PATH: $res/spy/MIX-NAME.txt, collapsed stacks per thread; 0, the
+# default: none).
 set -u -o pipefail
 what=${1:?usage: bash bench/gpu_disagg.sh prepare | STEP... (tests, smoke, smoke-coloc, smoke-direct, coloc, disagg, direct)}
 OUT=${OUT:-/tmp/tandem-disagg}
@@ -74,23 +77,41 @@ import json, sys, urllib.request
 state, out = json.load(open(sys.argv[1])), sys.argv[2]
 with open(out, "w") as f:
     for c in state["children"]:
-        if c["role"] in ("prefill", "decode") and c["metrics_port"]:
+        if c["role"] in ("prefill", "decode", "kvstore") and c.get("metrics_port"):
             text = urllib.request.urlopen(f"http://127.0.0.1:{c['metrics_port']}/metrics").read().decode()
             f.write(f"# ==== {c['name']}\n{text}")
 EOF
 }
 
+spy() {  # RES MIX BUDGET: py-spy profiles of the engines and the store while a sweep runs (SPY > 0)
+  [[ ${SPY:-0} != 0 ]] && command -v py-spy >/dev/null || return 0
+  mkdir -p "$1/spy"
+  local pid role
+  while read -r pid role; do
+    # raw: collapsed stacks per thread, idle ones included (a thread waiting is where its time went);
+    # --subprocesses takes in the engines' KV mover processes.
+    py-spy record --pid "$pid" --duration "$3" --rate "$SPY" --format raw --threads --idle --subprocesses \
+      --nonblocking --output "$1/spy/$2-$role.txt" > /dev/null 2>&1 &
+    # The store's threads that hold the GIL (only those): how much of the time one does, and which.
+    [[ $role == kvstore ]] && py-spy record --pid "$pid" --duration "$3" --rate "$SPY" --format raw --threads \
+      --gil --nonblocking --output "$1/spy/$2-$role-gil.txt" > /dev/null 2>&1 &
+  done < <($PY -c "import json, sys; [print(c['pid'], c['name']) for c in json.load(open(sys.argv[1]))['children']
+             if c['role'] in ('prefill', 'decode', 'kvstore')]" "$1/state.json")
+}
+
 sweep() {  # NAME RES BASE MIX BUDGET RATES N DATASET-FLAGS...
   local name=$1 res=$2 base=$3 mix=$4 budget=$5 rates=$6 n=$7 t0=$(date +%s); shift 7
   echo "=== $name $mix: rates $rates, $n requests each, at most ${budget}s"
+  spy "$res" "$mix" "$budget"
   # --seed-per-rate: no point re-sends an earlier point's prompts, which the engines'
   # prefix caches would still hold.
   timeout -s INT "$budget" $PY -m tandem.bench.cli bench sweep --target "$name=$base" --seed-per-rate \
     --request-rates "$rates" --num-prompts "$n" "$@" "${SLOS[@]}" --result-dir "$res/$mix" \
     2> "$res/$mix.stderr" | grep -E "^(=====|Successful|Failed req|Benchmark dur|Goodput|Requests meet|TTFT|TPOT|$name:)"
   echo "($mix: exit $?, $(( $(date +%s) - t0 )) s)"
+  pkill -INT -f "py-spy record" 2>/dev/null && sleep 2  # each writes its profile as it stops
   scrape "$res" "$res/$mix.metrics.txt"
-  grep -E "^tandem:(kv_transfer_(bytes_total|seconds_sum|seconds_count)|prompt_tokens_by_source_total)" \
+  grep -E "^tandem:(kv_transfer_(bytes_total|seconds_sum|seconds_count|phase_seconds_total|phases_total)|prompt_tokens_by_source_total|kvstore_(fresh_buffers|copy_seconds|copy_page_faults)_total|e2e_request_latency_seconds_(sum|count)|time_per_output_token_seconds_(sum|count)|request_queue_time_seconds_(sum|count))" \
     "$res/$mix.metrics.txt" | grep -v "} 0.0$" | sed -E 's/model="[^"]*",?//'
 }
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence, Union
 
 from tandem.engine.config import EngineConfig
@@ -74,6 +74,9 @@ class EngineStats:
     recompute_fallbacks: int = 0
     kv_write_wait_seconds: float = 0.0  # decode: waiting for a prefill's store writes to land
     kv_write_wait_timeouts: int = 0
+    # Where KV transfers spend their time (connector.base.KV_PHASES): seconds and runs per phase.
+    kv_phase_seconds: dict[str, float] = field(default_factory=dict)
+    kv_phase_counts: dict[str, int] = field(default_factory=dict)
     num_held_blocks: int = 0  # direct transfer: blocks kept for a decode to copy
     # The host KV tier (--swap-space): preempted requests' blocks copied out and
     # back in, evicted prefix-cache blocks kept there, prompt blocks restored by hash.
@@ -352,6 +355,8 @@ class LLMEngine:
             kv_write_wait_seconds=cs.write_wait_seconds if cs else 0.0,
             kv_write_wait_timeouts=cs.write_wait_timeouts if cs else 0,
             num_held_blocks=sched.num_held_blocks)
+        if cs is not None:
+            stats.kv_phase_seconds, stats.kv_phase_counts = cs.phases()
         if self.swapper is not None:
             sw = self.swapper.stats
             stats.kv_swapped_out_blocks, stats.kv_swapped_in_blocks = sw.swapped_out_blocks, sw.swapped_in_blocks

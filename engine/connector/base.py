@@ -38,6 +38,7 @@ request.block_hashes names every full block of the request's known tokens.
 """
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, Optional, Protocol, Sequence
@@ -150,6 +151,39 @@ class ConnectorStats:
     lookup_failures: int = 0  # store lookups that failed: the prefix is computed locally
     write_wait_seconds: float = 0.0  # waiting for blocks a prefill was still writing
     write_wait_timeouts: int = 0  # ... that had not all landed in time
+    # Where a transfer's time goes, by phase (see KV_PHASES): seconds and how
+    # many times each phase ran. Connector threads observe them concurrently.
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    phase_counts: dict[str, int] = field(default_factory=dict)
+    _phase_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def observe(self, phase: str, seconds: float) -> None:
+        """One run of `phase` took `seconds` (safe from any thread)."""
+        with self._phase_lock:
+            self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds
+            self.phase_counts[phase] = self.phase_counts.get(phase, 0) + 1
+
+    def phases(self) -> tuple[dict[str, float], dict[str, int]]:
+        """A consistent copy of (phase_seconds, phase_counts)."""
+        with self._phase_lock:
+            return dict(self.phase_seconds), dict(self.phase_counts)
+
+
+# The phases a store connector times (ConnectorStats.observe), in the order a
+# block meets them. The engine thread waits in the ones marked so; the others
+# run beside it.
+KV_PHASES = {
+    "save_slot_wait": "prefill, engine thread: a step's saves wait for staging slots earlier puts hold",
+    "save_stage": "prefill, engine thread: gathering a step's blocks and queuing their copies to the host",
+    "save_copy": "prefill: a piece's copies from the GPU into the staging arena, waited for before its put",
+    "save_put": "prefill: one piece of a step's blocks put into the store",
+    "load_write_wait": "decode: waiting for blocks the prefill was still writing",
+    "load_lookup": "decode: asking the store which blocks it holds",
+    "load_slot_wait": "decode: a fetch waits for staging slots",
+    "load_get": "decode: reading a request's blocks from the store into the staging arena",
+    "load_fetch": "decode: a whole background fetch, from the request's arrival until its blocks are staged",
+    "load_copy_in": "decode, engine thread: staged blocks copied into the KV cache",
+}
 
 
 class KVConnector(ABC):

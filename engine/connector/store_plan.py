@@ -71,3 +71,4 @@ class StoreMeta(ConnectorMeta):
     # A pinned arena (CUDA): the saves' layers gathered on the device first,
     # [n, layers, 2, block_size, kv_heads, head_dim], then one DMA per block.
     save_on_device: Optional[torch.Tensor] = None
+    stage_seconds: float = 0.0  # the engine thread's time in save_layer this step

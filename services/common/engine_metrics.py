@@ -77,6 +77,10 @@ class EngineMetrics:
         self._labelled("KV_HELD_BLOCKS").set(stats.num_held_blocks)
         for field, (name, extra) in self.COUNTERS.items():
             self._add(field, getattr(stats, field), name, extra)
+        for phase, seconds in stats.kv_phase_seconds.items():
+            self._add(f"phase_seconds:{phase}", seconds, "KV_TRANSFER_PHASE_SECONDS", {"phase": phase})
+        for phase, count in stats.kv_phase_counts.items():
+            self._add(f"phase_count:{phase}", count, "KV_TRANSFER_PHASES", {"phase": phase})
         # Transfer time is cumulative seconds in stats; observe each poll's share.
         for direction in ("save", "load"):
             field = f"kv_{direction}_seconds"

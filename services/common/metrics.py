@@ -129,6 +129,12 @@ KV_TRANSFER_BLOCKS = Counter(
 KV_TRANSFER_SECONDS = Histogram(
     "tandem:kv_transfer_seconds", "Duration of one KV save or load.",
     ENGINE + ("direction",), buckets=TRANSFER_BUCKETS)
+KV_TRANSFER_PHASE_SECONDS = Counter(
+    "tandem:kv_transfer_phase_seconds",
+    "Seconds KV transfers spent in each phase (engine/connector/base.py KV_PHASES names them); "
+    "divided by tandem:kv_transfer_phases_total, the mean of one.", ENGINE + ("phase",))
+KV_TRANSFER_PHASES = Counter(
+    "tandem:kv_transfer_phases", "Runs of each KV transfer phase.", ENGINE + ("phase",))
 KV_RECOMPUTE_FALLBACKS = Counter(
     "tandem:kv_recompute_fallbacks",
     "Requests whose KV could not be loaded and were recomputed locally.", ENGINE)
@@ -186,6 +192,18 @@ KVSTORE_EVICTIONS = Counter("tandem:kvstore_evictions", "Blocks evicted to stay 
 KVSTORE_PUTS = Counter("tandem:kvstore_puts", "Blocks stored.", KVSTORE)
 KVSTORE_BYTES_IN = Counter("tandem:kvstore_bytes_in", "Bytes received by puts.", KVSTORE)
 KVSTORE_BYTES_OUT = Counter("tandem:kvstore_bytes_out", "Bytes sent by gets.", KVSTORE)
+KVSTORE_FRESH_BUFFERS = Counter(
+    "tandem:kvstore_fresh_buffers",
+    "Values received into memory the store had never used (a page fault per 4 KiB while the bytes come "
+    "in), where no ready buffer was left.", KVSTORE)
+KVSTORE_COPY_SECONDS = Counter(
+    "tandem:kvstore_copy_seconds",
+    "Seconds the store spent copying values between engines' shared memory and its own, by clock: wall, "
+    "or the copying threads' CPU (wall well above CPU: the copies wait, for the GIL or for memory).",
+    KVSTORE + ("clock",))
+KVSTORE_COPY_PAGE_FAULTS = Counter(
+    "tandem:kvstore_copy_page_faults", "Page faults the store's threads took while copying those values.",
+    KVSTORE)
 KVSTORE_SHARED_BYTES = Counter("tandem:kvstore_shared_memory_bytes",
                                "Bytes of puts and gets copied through an engine's shared memory (same host) "
                                "instead of the data channel's socket.", KVSTORE)
