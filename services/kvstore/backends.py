@@ -16,7 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterator, Optional, Protocol, Sequence
 
-from tandem.services.kvstore.buffer_reserve import BufferReserve
+from tandem.services.kvstore.value_slabs import AHEAD_BYTES, SLAB_BYTES, ValueSlabs
 from tandem.services.kvstore.redis_wire import BulkReplyReader, BulkValuePacker, ReplyError
 from tandem.services.kvstore.redis_wire import ProtocolError as WireError
 
@@ -34,6 +34,7 @@ class BackendStats:
     hits: int             # keys found by get
     misses: int           # keys not found by get
     evictions: int        # values evicted to make room
+    fresh_buffers: int = 0  # memory: values received into never-used memory (no ready buffer)
 
 
 class Backend(Protocol):
@@ -67,21 +68,20 @@ class MemoryBackend:
 
     name = "memory"
     keeps_values = True  # the data channel receives into take_buffer()'s buffers, and they are kept
-    # Value buffers kept ready (buffer_reserve.py): those of replaced or
-    # evicted values, and fresh ones faulted in ahead, at most this many bytes
-    # (and an eighth of the capacity) beyond the capacity. Fresh memory costs a page fault per 4 KiB while
-    # the bytes come in (a cold store saved at 1.5 GB/s, a warm one at 10).
-    SPARE_BYTES = 1024 * 1024 * 1024
 
-    def __init__(self, capacity_bytes: int, prefault_bytes: Optional[int] = None) -> None:
-        """prefault_bytes: fresh buffers kept faulted in ahead (default SPARE_BYTES; 0: none)."""
+    def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self._values: OrderedDict[str, bytes] = OrderedDict()
-        # A small store (tests, a laptop) keeps a small reserve: an eighth of its capacity at most.
-        spare = min(self.SPARE_BYTES, capacity_bytes // 8)
-        self._reserve = BufferReserve(max_bytes=spare, prefault_bytes=spare if prefault_bytes is None else prefault_bytes)
+        # Values live in slots of slabs (value_slabs.py says why), reused as
+        # values are replaced or evicted. A small store (tests, a laptop) maps
+        # small slabs and keeps fewer ready; the slabs may exceed the capacity
+        # by a few (puts under way hold new values before old ones are evicted,
+        # and slabs are cut into slots of one size, leaving a remainder).
+        slab = min(SLAB_BYTES, max(capacity_bytes // 16, 1 << 20))
+        self._slabs = ValueSlabs(max_bytes=capacity_bytes + 4 * slab, slab_bytes=slab,
+                                 ahead_bytes=min(AHEAD_BYTES, capacity_bytes // 8))
         self._bytes = 0
         self._hits = 0
         self._misses = 0
@@ -111,21 +111,22 @@ class MemoryBackend:
                 # A bytes or bytearray value is kept as given (the data channel
                 # received it into a buffer of its own: no second copy); the
                 # caller must not change it afterwards.
-                self._values[key] = value if isinstance(value, (bytes, bytearray, mmap.mmap)) else bytes(value)
+                self._values[key] = (value if isinstance(value, (bytes, bytearray, mmap.mmap, memoryview))
+                                     else bytes(value))
                 self._bytes += len(value)
                 stored.append(True)
         return stored
 
     def take_buffer(self, size: int):
         """A buffer of `size` bytes to receive a value into (then given to put)."""
-        return self._reserve.take(size)
+        return self._slabs.take(size)
 
     def _keep_spare(self, value) -> None:
-        # Reused only when nothing else refers to it: a GET still sending the
-        # old value holds a reference, and its bytes must not change under it.
-        # sys.getrefcount counts the caller's name and its own argument.
-        if type(value) in (bytearray, mmap.mmap) and sys.getrefcount(value) <= 3:
-            self._reserve.give(value)
+        # A slot is reused only when nothing else refers to it: a GET still
+        # sending the old value holds a reference, and its bytes must not change
+        # under it. sys.getrefcount counts the caller's name and its own argument.
+        if type(value) is memoryview and sys.getrefcount(value) <= 3:
+            self._slabs.give(value)
 
     def get(self, keys: Sequence[str]) -> list[Optional[bytes]]:
         out: list[Optional[bytes]] = []
@@ -152,6 +153,8 @@ class MemoryBackend:
                 if value is not None:
                     self._bytes -= len(value)
                     deleted += 1
+                    self._keep_spare(value)
+                    del value
         return deleted
 
     def keys_lru_first(self) -> list[str]:
@@ -163,13 +166,14 @@ class MemoryBackend:
         with self._lock:
             return BackendStats(backend=self.name, bytes=self._bytes, blocks=len(self._values),
                                 capacity_bytes=self.capacity_bytes, hits=self._hits,
-                                misses=self._misses, evictions=self._evictions)
+                                misses=self._misses, evictions=self._evictions,
+                                fresh_buffers=self._slabs.num_fresh)
 
     def close(self) -> None:
         with self._lock:
             self._values.clear()
             self._bytes = 0
-        self._reserve.close()
+        self._slabs.close()
 
 
 READ_SIZE = 4 * 1024 * 1024
@@ -192,7 +196,7 @@ class RedisBackend:
     keeps_values = False  # a value's buffer is free again once put returns
     # Buffers of values read by get and handed back by release_values, kept
     # for the next get, at most this many bytes: fresh memory is zeroed and
-    # page-faulted in (see MemoryBackend.SPARE_BYTES), reused memory not.
+    # page-faulted in (see value_slabs.py), reused memory not.
     SPARE_BYTES = 128 * 1024 * 1024
     # Keys per EXISTS/DEL/SET pipeline: bounds one round trip.
     BATCH_KEYS = 16

@@ -8,12 +8,14 @@ Socket calls wait without the GIL, so connections proceed side by side.
 
 A connection that attached its client's shared-memory arena (ATTACH) moves
 values by copying them between the arena and those same buffers instead,
-also without the GIL (shared_arena.copy).
+one memmove each without the GIL (shared_arena.AttachedArena). The
+connections of one arena share one mapping of it.
 """
 from __future__ import annotations
 
 import logging
 import os
+import resource
 import socket
 import socketserver
 import ssl
@@ -23,7 +25,7 @@ from typing import Optional
 
 from tandem.services.kvstore import data_wire as wire
 from tandem.services.kvstore.backends import Backend, BackendUnavailable
-from tandem.services.kvstore.shared_arena import TOKEN_BYTES, AttachedArena, copy
+from tandem.services.kvstore.shared_arena import TOKEN_BYTES, AttachedArena
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +33,8 @@ log = logging.getLogger(__name__)
 PUT_FLUSH_BYTES = 16 * 1024 * 1024
 # Keys per backend.get inside one GET: bounds the values held at once.
 GET_BATCH_KEYS = 16
+# Shared-memory puts and gets move values in batches of about this many bytes.
+SHARED_BATCH_BYTES = 16 * 1024 * 1024
 SOCKET_BUFFER_BYTES = 8 * 1024 * 1024
 _END = object()  # the end of a backend's iter_get
 
@@ -80,7 +84,7 @@ class _Handler(socketserver.BaseRequestHandler):
                 elif op == wire.OP_ATTACH:
                     self._attach(sock, keys)
                 elif op == wire.OP_PUT_SHARED:
-                    self._put(sock, keys, self._copier(wire.read_spans(sock, len(keys))), shared=True)
+                    self._put_shared(sock, keys, wire.read_spans(sock, len(keys)))
                 else:
                     self._get_shared(sock, keys, wire.read_spans(sock, len(keys)))
             except (OSError, ssl.SSLError, wire.ProtocolError) as exc:
@@ -90,7 +94,7 @@ class _Handler(socketserver.BaseRequestHandler):
 
     def finish(self) -> None:
         if self._arena is not None:
-            self._arena.close()
+            self.server.arenas.detach(self._arena)
             self._arena = None
 
     # ---- values in the client's shared memory ----------------------------------------
@@ -100,46 +104,78 @@ class _Handler(socketserver.BaseRequestHandler):
         if len(keys) != 1:
             raise wire.ProtocolError(f"ATTACH names one segment, not {len(keys)}")
         if self._arena is not None:
-            self._arena.close()
+            self.server.arenas.detach(self._arena)
             self._arena = None
         try:
-            self._arena = AttachedArena(keys[0], token, size)
+            self._arena = self.server.arenas.attach(keys[0], token, size)
         except ValueError as exc:  # another host or pod: the client uses the socket
             wire.send_failed(sock, str(exc))
             return
         sock.sendall(wire.OK)
 
-    def _spans(self, spans: list[tuple[int, int]]) -> list[memoryview]:
+    def _attached(self, spans: list[tuple[int, int]]) -> AttachedArena:
+        """The connection's attached arena, once every span is checked against it."""
         if self._arena is None:
             raise wire.ProtocolError("a shared-memory request on a connection that attached no arena")
         try:
-            return [self._arena.span(offset, length) for offset, length in spans]
+            self._arena.check(spans)
         except ValueError as exc:
             raise wire.ProtocolError(str(exc)) from None
+        return self._arena
 
-    def _copier(self, spans: list[tuple[int, int]]):
-        """PUT_SHARED's values: copied out of the client's arena."""
-        views = self._spans(spans)
-        return lambda i: (len(views[i]), lambda value: copy(memoryview(value), views[i]))
+    def _put_shared(self, sock: socket.socket, keys: list[str], spans: list[tuple[int, int]]) -> None:
+        """PUT_SHARED: the values are copied out of the client's arena in
+        batches, each then stored at once."""
+        arena = self._attached(spans)
+        if self.server.put_delay_s:
+            time.sleep(self.server.put_delay_s)
+        backend, metrics = self.server.backend, self.server.metrics
+        keeps = getattr(backend, "keeps_values", True)
+        stored = refused = 0
+        for first, last in _batches([length for _, length in spans], SHARED_BATCH_BYTES):
+            values = [self._buffer(length, keeps) for _, length in spans[first:last]]
+            with self.server.copy_clock:
+                arena.read_into(values, spans[first:last])
+            try:
+                results = backend.put(list(zip(keys[first:last], values)))
+            except BackendUnavailable as exc:
+                wire.send_failed(sock, str(exc))
+                return
+            finally:
+                if not keeps:
+                    for value in values:
+                        self._spare.setdefault(len(value), []).append(value)
+            ok = sum(results)
+            stored, refused = stored + ok, refused + len(results) - ok
+            if metrics is not None:
+                nbytes = sum(len(v) for v, r in zip(values, results) if r)
+                metrics.on_put(ok, nbytes)
+                metrics.on_shared(nbytes)
+        sock.sendall(wire.OK + wire.PUT_REPLY.pack(stored, refused))
 
     def _get_shared(self, sock: socket.socket, keys: list[str], spans: list[tuple[int, int]]) -> None:
-        views = self._spans(spans)
+        """GET_SHARED: found values are copied into the client's arena, a batch at a time."""
+        arena = self._attached(spans)
         backend, metrics = self.server.backend, self.server.metrics
         copied = bytearray(len(keys))
         hits = misses = nbytes = 0
         release = getattr(backend, "release_values", None)  # buffers the backend wants back once copied
         try:
-            for start in range(0, len(keys), GET_BATCH_KEYS):
-                values = backend.get(keys[start:start + GET_BATCH_KEYS])
-                for i, value in enumerate(values, start):
+            for first, last in _batches([length for _, length in spans], SHARED_BATCH_BYTES):
+                values = backend.get(keys[first:last])
+                found, where = [], []
+                for i, value in enumerate(values, first):
                     if value is None:
                         misses += 1
                         continue
                     hits += 1
-                    if len(value) == len(views[i]):  # another length: another model's block
-                        copy(views[i], memoryview(value))
+                    if len(value) == spans[i][1]:  # another length: another model's block
+                        found.append(value)
+                        where.append(spans[i])
                         copied[i] = 1
                         nbytes += len(value)
+                with self.server.copy_clock:
+                    arena.write_from(found, where)
                 if release is not None:
                     release(values)
         except BackendUnavailable as exc:
@@ -157,9 +193,9 @@ class _Handler(socketserver.BaseRequestHandler):
             return length, lambda buffer: wire.recv_exactly_into(sock, memoryview(buffer))
         return value
 
-    def _put(self, sock: socket.socket, keys: list[str], values, shared: bool = False) -> None:
+    def _put(self, sock: socket.socket, keys: list[str], values) -> None:
         """Store the request's values; values(i) is (length, fill): fill(buffer)
-        writes value i into a buffer of that length (shared: from the client's arena)."""
+        writes value i into a buffer of that length (read off the socket)."""
         if self.server.put_delay_s:
             time.sleep(self.server.put_delay_s)
         backend, metrics = self.server.backend, self.server.metrics
@@ -184,8 +220,6 @@ class _Handler(socketserver.BaseRequestHandler):
                     if metrics is not None:
                         nbytes = sum(len(v) for (_, v), r in zip(batch, results) if r)
                         metrics.on_put(ok, nbytes)
-                        if shared:
-                            metrics.on_shared(nbytes)
             if not keeps:
                 for _, value in batch:
                     self._spare.setdefault(len(value), []).append(value)
@@ -285,6 +319,83 @@ class _Handler(socketserver.BaseRequestHandler):
         sock.sendall(wire.OK + bytes(bytearray(1 if p else 0 for p in present)))
 
 
+class _Arenas:
+    """The engines' arenas this store has mapped: one mapping per segment,
+    however many of its client's connections attached it (a mapping of each
+    connection's own would take every page's fault again), kept while any of
+    them is open."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[tuple[str, bytes, int], list] = {}  # (name, token, size) -> [arena, connections]
+
+    def attach(self, name: str, token: bytes, size: int) -> AttachedArena:
+        key = (name, token, size)
+        with self._lock:
+            entry = self._open.get(key)
+            if entry is None:
+                entry = self._open[key] = [AttachedArena(name, token, size), 0]
+                threading.Thread(target=entry[0].populate_if_resident, name="kvstore-populate",
+                                 daemon=True).start()
+            entry[1] += 1
+            return entry[0]
+
+    def detach(self, arena: AttachedArena) -> None:
+        key = (arena.name, arena.token, arena.size)
+        with self._lock:
+            entry = self._open.get(key)
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._open[key]
+                arena.close()
+
+
+class CopyClock:
+    """Seconds the store spent copying values between engines' arenas and its
+    own memory: wall time and the copying threads' CPU time (a thread waiting
+    for the GIL, or for memory, shows wall time without CPU time), and the
+    page faults they took. A context manager around each batch's copies."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.wall_seconds = self.cpu_seconds = 0.0
+        self.page_faults = 0
+        self._local = threading.local()
+
+    def __enter__(self) -> None:
+        self._local.start = (time.perf_counter(), time.thread_time(), _thread_faults())
+
+    def __exit__(self, *exc) -> None:
+        wall, cpu, faults = self._local.start
+        wall, cpu, faults = time.perf_counter() - wall, time.thread_time() - cpu, _thread_faults() - faults
+        with self._lock:
+            self.wall_seconds += wall
+            self.cpu_seconds += cpu
+            self.page_faults += faults
+
+
+def _thread_faults() -> int:
+    """Page faults this thread has taken (minor and major)."""
+    usage = resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF))
+    return usage.ru_minflt + usage.ru_majflt
+
+
+def _batches(lengths: list[int], max_bytes: int) -> list[tuple[int, int]]:
+    """[first, last) index ranges of consecutive lengths, each summing to at most
+    max_bytes (or a single length larger than that)."""
+    out, first, total = [], 0, 0
+    for i, length in enumerate(lengths):
+        if i > first and total + length > max_bytes:
+            out.append((first, i))
+            first, total = i, 0
+        total += length
+    if first < len(lengths):
+        out.append((first, len(lengths)))
+    return out
+
+
 class _Server(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = False  # a taken port is an error at start, as for gRPC
@@ -295,6 +406,8 @@ class _Server(socketserver.ThreadingTCPServer):
         self.metrics = metrics
         self.ssl_context = ssl_context
         self.put_delay_s = _put_delay_s()
+        self.arenas = _Arenas()
+        self.copy_clock = CopyClock()
         super().__init__(address, _Handler)
 
     def handle_error(self, request, client_address) -> None:
@@ -316,6 +429,10 @@ class DataServer:
     def start(self) -> "DataServer":
         self._thread.start()
         return self
+
+    @property
+    def copy_clock(self) -> CopyClock:
+        return self._server.copy_clock
 
     def stop(self) -> None:
         self._server.shutdown()

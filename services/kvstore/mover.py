@@ -32,7 +32,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Optional, Sequence
 
 from tandem.services.common.grpc_server import TLSConfig
-from tandem.services.kvstore.block_client import BlockStoreClient
+from tandem.services.kvstore.block_client import LOOKUP_CONNECTIONS, BlockStoreClient
 from tandem.services.kvstore.client import KVStoreUnavailable
 from tandem.services.kvstore.shared_arena import AttachedArena, SharedArena
 
@@ -46,6 +46,10 @@ START_TIMEOUT_S = 60.0
 # load lasts 31-57 ms); at 1 ms they cost little, and the engine's thread is
 # asked to yield at most 1000 times a second, each a few microseconds.
 ENGINE_SWITCH_INTERVAL_S = 0.001
+# A get of more blocks than this goes to the mover as pieces of this many,
+# which its workers move on connections (and the store on cores) of their
+# own: one connection moves a request's 272 MiB with one store thread's memmove.
+GET_PIECE_BLOCKS = 32
 
 
 class MovedBlockStoreClient:
@@ -92,7 +96,11 @@ class MovedBlockStoreClient:
         return self._call("put", list(items))
 
     def get(self, items: Sequence[tuple[str, int, int]]) -> list[bool]:
-        return self._call("get", list(items))
+        items = list(items)
+        if self._local is not None or len(items) <= GET_PIECE_BLOCKS:
+            return self._call("get", items)
+        pieces = [items[i:i + GET_PIECE_BLOCKS] for i in range(0, len(items), GET_PIECE_BLOCKS)]
+        return [found for piece in self._call_many("get", pieces) for found in piece]
 
     def close(self) -> None:
         if self._local is not None:
@@ -139,27 +147,40 @@ class MovedBlockStoreClient:
     def _call(self, op: str, args: Any) -> Any:
         if self._local is not None:
             return getattr(self._local, op)(args)
+        return self._call_many(op, [args])[0]
+
+    def _call_many(self, op: str, each: list) -> list:
+        """`op` once per entry of `each`, all sent before any answer is awaited
+        (the mover runs them side by side); their values in order. Raises
+        KVStoreUnavailable if any fails."""
         if self._process is None or self._process.poll() is not None:
             raise KVStoreUnavailable(f"KV store at {self.target}: the KV mover process has stopped")
-        call_id = next(self._ids)
-        call = _Call()
+        calls = [(next(self._ids), _Call()) for _ in each]
         with self._replies:
-            self._calls[call_id] = call
+            self._calls.update(calls)
         try:
             with self._send_lock:
-                self._conn.send((call_id, op, args))
+                for (call_id, _), args in zip(calls, each):
+                    self._conn.send((call_id, op, args))
         except OSError as exc:
-            with self._replies:
-                self._calls.pop(call_id, None)
+            self._forget(calls)
             raise KVStoreUnavailable(f"KV store at {self.target}: the KV mover is gone: {exc}") from exc
-        # The mover gives up on the store after timeout_s; this waits a little longer for its answer.
-        if not self._wait(call, time.monotonic() + self.timeout_s * 2 + 5):
-            with self._replies:
+        # The mover gives up on the store after timeout_s; this waits a little longer for its answers.
+        deadline = time.monotonic() + self.timeout_s * 2 + 5
+        for _, call in calls:
+            if not self._wait(call, deadline):
+                self._forget(calls)
+                raise KVStoreUnavailable(f"KV store at {self.target}: the KV mover did not answer {op}")
+        failed = next((call for _, call in calls if not call.ok), None)
+        if failed is not None:
+            raise KVStoreUnavailable(failed.value)
+        return [call.value for _, call in calls]
+
+    def _forget(self, calls: list[tuple[int, "_Call"]]) -> None:
+        """Stop waiting for these calls (answers that come later are dropped)."""
+        with self._replies:
+            for call_id, _ in calls:
                 self._calls.pop(call_id, None)
-            raise KVStoreUnavailable(f"KV store at {self.target}: the KV mover did not answer {op}")
-        if not call.ok:
-            raise KVStoreUnavailable(call.value)
-        return call.value
 
     def _wait(self, call: "_Call", deadline: float) -> bool:
         """Until `call` is answered (False: the deadline passed first).
@@ -237,17 +258,21 @@ def _mover_main(settings: tuple, segment: AttachedArena, conn: Connection, store
         with send_lock:
             conn.send(reply)
 
-    workers = ThreadPoolExecutor(max_workers=settings[3], thread_name_prefix="kv-mover")
+    # A worker per connection. Lookups have workers (and connections) of their
+    # own: queued behind a load's pieces, a decode's lookup waited 23 ms (H200).
+    movers = ThreadPoolExecutor(max_workers=settings[3], thread_name_prefix="kv-mover")
+    lookups = ThreadPoolExecutor(max_workers=LOOKUP_CONNECTIONS, thread_name_prefix="kv-lookup")
     conn.send("ready")
     try:
         while True:
             message = conn.recv()
             if message is None:
                 break
-            workers.submit(run, *message)
+            (lookups if message[1] == "exists" else movers).submit(run, *message)
     except (EOFError, OSError):
         pass
-    workers.shutdown(wait=True)
+    movers.shutdown(wait=True)
+    lookups.shutdown(wait=True)
     client.close()
     client.arena = None
     segment.close()

@@ -14,6 +14,7 @@ import argparse
 import logging
 import re
 import signal
+import sys
 import threading
 from contextlib import contextmanager
 from typing import Iterator, Optional
@@ -71,7 +72,14 @@ class StoreMetrics:
 
         self._m = metrics
         self._last_evictions: Optional[int] = None
-        self._labelled("KVSTORE_SHARED_BYTES")  # shown as 0 until an engine on this host uses it
+        self._last_fresh = 0
+        self.copy_clock = None  # the data channel's CopyClock, once it runs
+        self._last_copies = (0.0, 0.0, 0)
+        # Shown as 0 until an engine on this host uses shared memory, or a value finds no slot.
+        for name in ("KVSTORE_SHARED_BYTES", "KVSTORE_FRESH_BUFFERS", "KVSTORE_COPY_PAGE_FAULTS"):
+            self._labelled(name)
+        for clock in ("wall", "thread_cpu"):
+            self._m.KVSTORE_COPY_SECONDS.labels(role=ROLE, clock=clock)
 
     def _labelled(self, name: str):
         return getattr(self._m, name).labels(role=ROLE)
@@ -98,6 +106,16 @@ class StoreMetrics:
         self._last_evictions = stats.evictions
         if delta > 0:
             self._labelled("KVSTORE_EVICTIONS").inc(delta)
+        if stats.fresh_buffers > self._last_fresh:
+            self._labelled("KVSTORE_FRESH_BUFFERS").inc(stats.fresh_buffers - self._last_fresh)
+        self._last_fresh = stats.fresh_buffers
+        if self.copy_clock is not None:
+            clock = self.copy_clock
+            now = (clock.wall_seconds, clock.cpu_seconds, clock.page_faults)
+            last, self._last_copies = self._last_copies, now
+            self._m.KVSTORE_COPY_SECONDS.labels(role=ROLE, clock="wall").inc(now[0] - last[0])
+            self._m.KVSTORE_COPY_SECONDS.labels(role=ROLE, clock="thread_cpu").inc(now[1] - last[1])
+            self._labelled("KVSTORE_COPY_PAGE_FAULTS").inc(now[2] - last[2])
 
 
 # --- the service -----------------------------------------------------------------------
@@ -263,8 +281,16 @@ def _open_backend_or_exit(args: argparse.Namespace) -> Backend:
         raise SystemExit(f"error: --backend: {exc}")
 
 
+# The store's threads (one per data connection, gRPC's, the buffer reserve's)
+# each take the GIL back after every system call; at Python's 5 ms switch
+# interval one that finds it held waits up to that long, a copy's worth of time
+# many times over.
+STORE_SWITCH_INTERVAL_S = 0.001
+
+
 def serve(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM, then stop gracefully (in-flight calls get --shutdown-timeout)."""
+    sys.setswitchinterval(STORE_SWITCH_INTERVAL_S)
     backend = _open_backend_or_exit(args)
     try:
         backend.stats()
@@ -288,6 +314,8 @@ def serve(args: argparse.Namespace) -> int:
         try:
             data = DataServer(backend, args.host, args.data_port, metrics,
                               server_ssl_context(tls_from_args(args))).start()
+            if metrics is not None:
+                metrics.copy_clock = data.copy_clock
         except OSError as exc:
             config_error(f"--data-port: cannot listen on {args.host}:{args.data_port}: {exc.strerror or exc}")
 

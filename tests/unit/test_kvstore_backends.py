@@ -11,6 +11,7 @@ import pytest
 from tandem.services.kvstore.backends import (BackendUnavailable, MemoryBackend, RedisBackend,
                                               open_backend)
 from tandem.services.kvstore.server import parse_size
+from tandem.services.kvstore.value_slabs import MIN_SLOT_BYTES, ValueSlabs
 from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -216,35 +217,48 @@ def test_redis_restarted_between_calls_is_reconnected_without_an_error(redis_ser
             redis_server.start()
 
 
-def test_memory_backend_reuses_a_dropped_buffer_but_never_one_still_being_read():
-    backend = MemoryBackend(capacity_bytes=10_000, prefault_bytes=0)  # only dropped buffers come back
-    first = backend.take_buffer(1000)
-    first[:] = b"a" * 1000
+def test_memory_backend_reuses_a_dropped_slot_but_never_one_still_being_read():
+    size = MIN_SLOT_BYTES
+    backend = MemoryBackend(capacity_bytes=8 * size)
+    first = backend.take_buffer(size)
+    first[:] = b"a" * size
     backend.put([("k", first)])
     del first
     held = backend.get(["k"])[0]  # a GET still sending it
-    backend.put([("k", bytearray(b"b" * 1000))])
-    assert bytes(held) == b"a" * 1000 and backend.take_buffer(1000) is not held
+    second = backend.take_buffer(size)
+    second[:] = b"b" * size
+    backend.put([("k", second)])
+    del second
+    assert bytes(held) == b"a" * size
+    assert all(backend.take_buffer(size) is not held for _ in range(20))  # not back in the free list
     del held
-    backend.put([("k", bytearray(b"c" * 1000))])  # the "b" buffer: nobody refers to it now
-    reused = backend.take_buffer(1000)
-    assert bytes(reused) == b"b" * 1000  # the spare came back (its bytes are overwritten by the next value)
-    assert backend.get(["k"]) == [bytearray(b"c" * 1000)]
+    third = backend.take_buffer(size)
+    third[:] = b"c" * size
+    backend.put([("k", third)])  # the "b" slot: nobody refers to it now
+    del third
+    assert any(bytes(backend.take_buffer(size)[:4]) == b"bbbb" for _ in range(40))  # it came back
+    assert bytes(backend.get(["k"])[0]) == b"c" * size
+    backend.close()
 
 
-def test_the_memory_backend_faults_buffers_in_ahead_of_the_puts_that_need_them():
-    from tandem.services.kvstore.buffer_reserve import BufferReserve
-
-    reserve = BufferReserve(max_bytes=64 * 4096, prefault_bytes=16 * 4096)
+def test_value_slabs_are_faulted_in_ahead_and_bounded():
+    size = MIN_SLOT_BYTES
+    slabs = ValueSlabs(max_bytes=24 * size, slab_bytes=8 * size, ahead_bytes=16 * size)
     try:
-        first = reserve.take(4096)  # nothing ready yet: a fresh buffer; the size to fault in is now known
-        assert len(first) == 4096
-        deadline = time.monotonic() + 10
-        while reserve.num_bytes < 16 * 4096 and time.monotonic() < deadline:
+        deadline = time.monotonic() + 10  # before any put: two slabs ready, faulted in
+        while slabs.ready_bytes < 16 * size and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert reserve.num_bytes == 16 * 4096  # filled up to prefault_bytes, not beyond
-        ready = [reserve.take(4096) for _ in range(16)]
-        assert all(len(b) == 4096 and bytes(b[:8]) == bytes(8) for b in ready)
-        assert all(reserve.give(b) for b in ready[:8])  # dropped buffers come back, within max_bytes
+        assert slabs.ready_bytes == 16 * size and slabs.slab_bytes == 16 * size
+        first = slabs.take(size)  # cuts a ready slab into slots; a filler makes the third
+        assert len(first) == size and isinstance(first, memoryview) and slabs.num_free == 7
+        while slabs.slab_bytes < 24 * size and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert slabs.slab_bytes == 24 * size  # and no more: max_bytes
+        taken = [slabs.take(size) for _ in range(24)]  # the other 23 slots, then a fresh mapping
+        assert slabs.slab_bytes == 24 * size and slabs.num_fresh == 1
+        assert len({id(t) for t in taken}) == len(taken)
+        assert all(slabs.give(t) for t in taken if isinstance(t, memoryview))
+        assert not slabs.give(bytearray(size)) and not slabs.give(memoryview(bytearray(size)))
+        assert isinstance(slabs.take(1000), bytearray)  # small values: plain buffers
     finally:
-        reserve.close()
+        slabs.close()

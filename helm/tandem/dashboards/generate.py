@@ -153,6 +153,8 @@ def engine(role, title, signal_rows):
             panel("Waiting for prefill writes", [(f"sum(rate(tandem:kv_store_write_wait_seconds_total{sel(role)}[{R}]))", "seconds waited per second"),
                                                  (f"sum(rate(tandem:kv_store_write_wait_timeouts_total{sel(role)}[{R}]))", "gave up per second")], "short",
                   "Decode requests waiting for blocks their prefill was still writing to the store (it answers before they land)."),
+            panel("Where transfer time goes", [(f"sum by (phase) (rate(tandem:kv_transfer_phase_seconds_total{sel(role)}[{R}])) / sum by (phase) (rate(tandem:kv_transfer_phases_total{sel(role)}[{R}]))", "{{phase}}")], "s",
+                  "Mean seconds of each phase of a KV transfer (engine/connector/base.py KV_PHASES): slot waits, copies, puts, lookups, loads."),
             panel("Host tier blocks per second", [(f"sum(rate(tandem:kv_swapped_out_blocks_total{sel(role)}[{R}]))", "swapped out"),
                                                   (f"sum(rate(tandem:kv_swapped_in_blocks_total{sel(role)}[{R}]))", "swapped in"),
                                                   (f"sum(rate(tandem:kv_host_hit_blocks_total{sel(role)}[{R}]))", "restored by hash")], "short",
@@ -201,6 +203,11 @@ kvstore = dash("tandem-kvstore", "tandem / kvstore", [
                                    (f"sum(rate(tandem:kvstore_bytes_out_total{K}[{R}]))", "out (loads)"),
                                    (f"sum(rate(tandem:kvstore_shared_memory_bytes_total{K}[{R}]))", "of which through shared memory")], "Bps",
               "Signal bytes_out_rate is 'out' per pod. Shared memory: engines on the store's host."),
+        panel("Copy time per second", [(f"sum by (clock) (rate(tandem:kvstore_copy_seconds_total{K}[{R}]))", "{{clock}}")], "s",
+              "Seconds spent copying values through engines' shared memory: wall well above thread_cpu means the copies wait."),
+        panel("Fresh value memory per second", [(f"sum(rate(tandem:kvstore_fresh_buffers_total{K}[{R}]))", "fresh values"),
+                                                (f"sum(rate(tandem:kvstore_copy_page_faults_total{K}[{R}]))", "page faults while copying")], "short",
+              "Values that found no ready slot (the store's slabs are at their limit), and page faults its copies took."),
     ]),
 ], model=False)
 
