@@ -4,7 +4,6 @@ this process's decode engine copies the prompt's blocks from it and answers
 exactly as an engine that computed the whole prompt itself."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
@@ -14,6 +13,7 @@ import torch
 from tandem.engine import CacheConfig, EngineConfig, ModelConfig, SamplingParams
 from tandem.engine.llm_engine import LLMEngine
 from tests.support.hf_oracle import tiny_model_dir
+from tests.support.kv_producer import read_answer
 
 # The gRPC stubs are generated at install; a GPU machine running the tree from
 # PYTHONPATH (bench/gpu_figures.sh) may have none, and must still run the rest.
@@ -48,10 +48,10 @@ def test_decode_copies_from_a_prefill_in_another_process(tmp_path, device):
 
     reference = run(engine(), MAX_NEW)
     producer = subprocess.Popen(
-        [sys.executable, "-m", "tests.support.direct_producer", path, device, "float32",
+        [sys.executable, "-m", "tests.support.kv_producer", path, device, "float32",
          ",".join(map(str, PROMPT))], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        line = json.loads(producer.stdout.readline())
+        line = read_answer(producer.stdout)
         handle = common_pb2.KVHandle.FromString(bytes.fromhex(line["handle"]))
         assert handle.HasField("cuda") == (device == "cuda")
         decode = engine("direct", "consumer")
