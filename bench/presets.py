@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 
 def preset_config(name: str) -> Any:
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
     if name == "llama-3-8b":
         return LlamaConfig(
@@ -38,10 +38,18 @@ def preset_config(name: str) -> Any:
             num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
             rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
             bos_token_id=151643, eos_token_id=151645)
+    if name == "qwen3-30b-a3b":
+        # 30.5B parameters, 3.3B active per token: 128 experts, top-8, in every layer.
+        return Qwen3MoeConfig(
+            vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+            num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+            num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+            mlp_only_layers=[], max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+            tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645)
     raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
 
 
-PRESETS = ("llama-3-8b", "llama-3-tiny", "qwen3-0.6b")
+PRESETS = ("llama-3-8b", "llama-3-tiny", "qwen3-0.6b", "qwen3-30b-a3b")
 # Engine flags a benchmark with --preset ignores: the preset is the model.
 PRESET_DECIDES = ("model", "load_format")
 

@@ -297,11 +297,28 @@ def load_weights(model: torch.nn.Module, source: ModelSource, config: Any, seed:
         return
     kind, path = _readable(source.kind, source.path)
     state = gguf_state_dict(path) if kind == "gguf" else _safetensors_state_dict(path)
-    params = dict(model.named_parameters())
-    missing = [n for n in params if n not in state and not (n == "lm_head.weight" and model.tie_word_embeddings)]
+    sources = {name: _checkpoint_source(name, p.shape, state) for name, p in model.named_parameters()}
+    missing = [n for n, src in sources.items()
+               if src is None and not (n == "lm_head.weight" and model.tie_word_embeddings)]
     if missing:
         raise ValueError(f"weights missing from {path}: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    params = dict(model.named_parameters())
     with torch.no_grad():
-        for name, p in params.items():
-            if name in state:
-                p.copy_(state[name].to(p.dtype))
+        for name, pieces in sources.items():
+            for index, key in pieces or ():
+                params[name][index].copy_(state[key].to(params[name].dtype))
+
+
+def _checkpoint_source(name: str, shape: Any, state: dict[str, torch.Tensor]) -> Optional[list[tuple]]:
+    """Where parameter `name` is in the checkpoint: pieces (index into the
+    parameter, checkpoint tensor name), or None when it is not there. A
+    tensor of the same name first; MoE experts saved one by one (and
+    Mixtral's names) after (models/moe.py)."""
+    from tandem.engine.models import moe  # torch: not at import (the router's view)
+
+    if name in state:
+        return [((), name)]
+    for pieces in moe.checkpoint_pieces(name, shape):
+        if all(key in state for _, key in pieces):
+            return pieces
+    return None

@@ -21,7 +21,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.connector.base import KVCacheLayout
 from tandem.engine.host_kv_tier import HostKVBuffer
 from tandem.engine.loader import ModelInfo, load_weights
-from tandem.engine.models import LlamaFamilyForCausalLM
+from tandem.engine.models import build_model
 from tandem.engine.models.llama import LayerHook, head_dim_of
 from tandem.engine.plan import SchedulerOutput
 from tandem.kernels import AttentionMetadata
@@ -63,7 +63,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                self.model = LlamaFamilyForCausalLM(hf)
+                self.model = build_model(hf)
         finally:
             torch.set_default_dtype(previous)
         load_weights(self.model, info.source, hf, seed=config.model.seed)

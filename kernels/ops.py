@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from tandem.kernels.fused_moe_torch import fused_moe_torch
 from tandem.kernels.metadata import AttentionMetadata
 from tandem.kernels.layer_ops_torch import rms_norm_torch, rotary_torch, silu_and_mul_torch
 from tandem.kernels.paged_attention_torch import paged_attention_torch_batched, write_kv_torch
@@ -92,3 +93,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
         return silu_and_mul_triton(gate_up)
     return silu_and_mul_torch(gate_up)
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """Each token's top-k experts' SwiGLU MLPs, weighted and summed; see fused_moe_torch.py."""
+    if _use_triton(hidden):
+        from tandem.kernels.fused_moe_triton import fused_moe_triton
+
+        return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids)
+    return fused_moe_torch(hidden, w13, w2, topk_weights, topk_ids)

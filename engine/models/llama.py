@@ -3,26 +3,32 @@
 Module names mirror HF transformers' (model.layers.N.self_attn.q_proj, ...) so
 a HF state dict loads as it is. Differences within the family are three
 switches read from the config: biases on q/k/v (Qwen2), RMSNorm on q and k per
-head (Qwen3), tied embeddings (SmolLM2, small Qwen).
+head (Qwen3), tied embeddings (SmolLM2, small Qwen). Each layer's MLP comes
+from a factory: the dense SwiGLU MLP here, or a mixture of experts
+(models/moe.py: Qwen3-MoE, Mixtral) around the same attention.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
 from tandem.kernels import AttentionMetadata, paged_attention, rms_norm, rotary, silu_and_mul, write_kv
 
-# HF `architectures` entry / model_type -> (qkv bias, q/k norm)
+# HF model_type -> (qkv bias, q/k norm); the MoE models get their MLPs from moe.py (models.build_model)
 SUPPORTED_ARCHITECTURES = {
     "llama": (False, False),
     "mistral": (False, False),
     "qwen2": (True, False),
     "qwen3": (False, True),
+    "qwen3_moe": (False, True),
+    "mixtral": (False, False),
 }
 
 LayerHook = Callable[[int], None]
+# (HF config, layer index) -> that layer's MLP: a module with forward(x) and fuse()
+MLPFactory = Callable[[Any, int], nn.Module]
 
 
 def family_switches(config) -> tuple[bool, bool]:
@@ -146,6 +152,10 @@ class MLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
+def dense_mlp(config, layer_idx: int) -> nn.Module:
+    return MLP(config)
+
+
 def _concat_linears(linears: list[nn.Linear]) -> nn.Linear:
     first = linears[0]
     fused = nn.Linear(first.in_features, sum(m.out_features for m in linears), bias=first.bias is not None,
@@ -158,10 +168,10 @@ def _concat_linears(linears: list[nn.Linear]) -> nn.Linear:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn = Attention(config)
-        self.mlp = MLP(config)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -182,20 +192,21 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, make_mlp: MLPFactory) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, make_mlp(config, i))
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
 
 
 class LlamaFamilyForCausalLM(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, make_mlp: MLPFactory = dense_mlp) -> None:
         super().__init__()
         family_switches(config)  # fail early on an unsupported model
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, make_mlp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:

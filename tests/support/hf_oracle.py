@@ -1,5 +1,5 @@
 """HF transformers as the oracle: greedy generation with per-step logprobs,
-and the rule for comparing against it."""
+and the rule for comparing the engine's output against it."""
 from __future__ import annotations
 
 import os
@@ -51,9 +51,33 @@ def compare_with_tie_rule(ours: list[int], our_top5: list[dict[int, float]], ref
     return n
 
 
+def run_greedy(llm, prompts: list[list[int]], max_new: int):
+    """The engine's greedy outputs with top-5 logprobs, past EOS (as hf_greedy with eos_token_id=None)."""
+    from tandem.engine import SamplingParams
+
+    return llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_new, logprobs=5, ignore_eos=True))
+
+
+def check_against_oracle(outputs, refs: list[OracleRun], exact: bool) -> None:
+    """Tokens by compare_with_tie_rule; the chosen tokens' logprobs within 1e-4."""
+    import pytest
+
+    for out, ref in zip(outputs, refs):
+        c = out.outputs[0]
+        ours_top5 = [lp.top for lp in c.logprobs]
+        n = compare_with_tie_rule(c.token_ids, ours_top5, ref, exact=exact)
+        ours_lp = [lp.logprob for lp in c.logprobs[:n]]
+        assert ours_lp == pytest.approx(ref.logprobs[:n], abs=1e-4)
+
+
 def tiny_model_dir(tmp_path, arch: str, seed: int = 0, lm_head_scale: float = 1.0) -> tuple[str, object]:
-    """Save a tiny random-weight Llama or Qwen3 as a HF folder; return (path, HF model)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    """Save a tiny random-weight Llama, Qwen3, Qwen3-MoE or Mixtral as a HF
+    folder; return (path, HF model).
+
+    The MoE models have 8 experts, top-2; Qwen3-MoE's middle layer keeps a
+    dense MLP (mlp_only_layers), as some of its configs have."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     torch.manual_seed(seed)
     common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -66,6 +90,13 @@ def tiny_model_dir(tmp_path, arch: str, seed: int = 0, lm_head_scale: float = 1.
     elif arch == "qwen3":
         config = Qwen3Config(head_dim=32, **common)
         model = Qwen3ForCausalLM(config)
+    elif arch == "qwen3_moe":
+        config = Qwen3MoeConfig(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                norm_topk_prob=True, **{**common, "num_hidden_layers": 3}, mlp_only_layers=[1])
+        model = Qwen3MoeForCausalLM(config)
+    elif arch == "mixtral":
+        config = MixtralConfig(num_local_experts=8, num_experts_per_tok=2, **{**common, "intermediate_size": 32})
+        model = MixtralForCausalLM(config)
     else:
         raise ValueError(arch)
     model = model.float().eval()

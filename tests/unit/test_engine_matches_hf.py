@@ -11,7 +11,7 @@ import random
 import pytest
 
 from tandem.engine import LLM, SamplingParams
-from tests.support.hf_oracle import compare_with_tie_rule, embedded_hf_model, hf_greedy, tiny_model_dir
+from tests.support.hf_oracle import check_against_oracle, embedded_hf_model, hf_greedy, run_greedy, tiny_model_dir
 
 MAX_NEW = 12
 LENGTHS = [1, 5, 17, 33, 64, 150, 300, 600]
@@ -27,17 +27,7 @@ TEXT = (
 
 
 def run_engine(llm: LLM, prompts: list[list[int]], max_new: int = MAX_NEW):
-    params = SamplingParams(temperature=0.0, max_tokens=max_new, logprobs=5, ignore_eos=True)
-    return llm.generate(prompts, params)
-
-
-def check_against_oracle(outputs, refs, exact: bool) -> None:
-    for out, ref in zip(outputs, refs):
-        c = out.outputs[0]
-        ours_top5 = [lp.top for lp in c.logprobs]
-        n = compare_with_tie_rule(c.token_ids, ours_top5, ref, exact=exact)
-        ours_lp = [lp.logprob for lp in c.logprobs[:n]]
-        assert ours_lp == pytest.approx(ref.logprobs[:n], abs=1e-4)
+    return run_greedy(llm, prompts, max_new)
 
 
 # ---- SmolLM2, the embedded model: every token must match -----------------

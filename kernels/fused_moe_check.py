@@ -1,0 +1,101 @@
+"""Check the fused-MoE Triton kernels (fused_moe_triton.py) against their torch
+twin: several expert counts, top-k 1 and 2 (and 3: a sum of more than two),
+an expert that gets no row, one expert that gets every row, a single token
+and none; fp32 and bf16; widths that are not powers of two.
+
+    TRITON_INTERPRET=1 python -m tandem.kernels.fused_moe_check --device cpu   # CI, no GPU
+    python -m tandem.kernels.fused_moe_check --device cuda                     # on a GPU
+
+Exit status 0 when every case agrees; the last line says how many were checked.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from tandem.kernels.fused_moe_torch import fused_moe_torch
+from tandem.kernels.layer_ops_check import TOLERANCE
+
+# Relative to the largest magnitude of the reference, as layer_ops_check.py
+# measures. bf16 gets twice layer_ops_check's allowance: a row is rounded six
+# times in a chain (gate, up, SiLU, SiLU * up, down, the weighted output), and
+# Triton's interpreter rounds each by truncation where torch rounds to
+# nearest; with truncation emulated in torch the kernel agrees to one rounding
+# of the final sum. A wrong expert or a missing weight is off by far more.
+MOE_TOLERANCE = {**TOLERANCE, torch.bfloat16: 2 ** -5}
+
+
+def close(out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
+    err = float((out.float() - ref.float()).abs().max()) / max(float(ref.float().abs().max()), 1e-6)
+    return err <= MOE_TOLERANCE[ref.dtype], err
+
+# (tokens, experts, top_k, hidden, intermediate, routing)
+SHAPES = (
+    (1, 8, 2, 64, 32, "random"),  # one token: decode of a batch of one
+    (0, 4, 2, 32, 32, "random"),  # an empty batch
+    (7, 4, 1, 32, 48, "random"),
+    (12, 3, 2, 48, 16, "random"),
+    (9, 8, 3, 32, 64, "random"),
+    (5, 6, 2, 32, 32, "first experts"),  # experts 0 and 1 get every token, the rest none
+    (70, 2, 1, 16, 80, "random"),  # ~35 rows per expert: 64-row tiles, padded
+)
+
+
+def routing(tokens: int, experts: int, top_k: int, kind: str, gen: torch.Generator) -> torch.Tensor:
+    """topk_ids [tokens, top_k]: distinct experts per token. "random" never
+    picks the last expert, so every case has an expert with no rows."""
+    if kind == "first experts":
+        return torch.arange(top_k).repeat(tokens, 1)
+    ids = torch.zeros(tokens, top_k, dtype=torch.long)
+    for t in range(tokens):
+        ids[t] = torch.randperm(experts - 1, generator=gen)[:top_k]
+    return ids
+
+
+def cases(device: str):
+    from tandem.kernels.fused_moe_triton import fused_moe_triton
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for tokens, experts, top_k, hidden, inter, kind in SHAPES:
+            x = torch.randn(tokens, hidden, generator=gen).to(dtype=dtype, device=device)
+            w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5).to(dtype=dtype,
+                                                                                             device=device)
+            w2 = (torch.randn(experts, hidden, inter, generator=gen) / inter ** 0.5).to(dtype=dtype, device=device)
+            ids = routing(tokens, experts, top_k, kind, gen).to(device)
+            weights = torch.rand(tokens, top_k, generator=gen)
+            weights = (weights / weights.sum(-1, keepdim=True)).to(device)  # fp32, as Mixtral's router gives
+            name = f"fused_moe {dtype} T={tokens} E={experts} k={top_k} {hidden}x{inter} {kind}"
+            out = fused_moe_triton(x, w13, w2, weights, ids)
+            ref = fused_moe_torch(x, w13, w2, weights, ids)
+            if out.shape != ref.shape or out.dtype != ref.dtype:
+                yield name, (False, float("inf"))
+            elif tokens == 0:
+                yield name, (True, 0.0)
+            else:
+                yield name, close(out, ref)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tandem.kernels.fused_moe_check",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    args = p.parse_args(argv)
+    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        print("error: Triton kernels run on the CPU only under TRITON_INTERPRET=1", file=sys.stderr)
+        return 2
+    failed = total = 0
+    for name, (ok, err) in cases(args.device):
+        total += 1
+        if not ok:
+            failed += 1
+            print(f"FAIL {name}: relative error {err:.2e}")
+    print(f"checked {total} cases, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""Fused mixture-of-experts MLP in two grouped GEMM launches.
+
+A batch of T tokens routed to k experts each is T * k (token, expert) rows.
+They are sorted by expert and each expert's run is padded to a multiple of
+BLOCK_M, so every BLOCK_M-row tile of the sorted order belongs to one expert
+(align_by_expert). Then:
+
+1. gate/up: one launch over all tiles; a tile multiplies its rows' hidden
+   states by its expert's gate and up weights (two accumulators over the same
+   columns) and stores silu(gate) * up, [T * k, I];
+2. down: one launch; a tile multiplies those by its expert's down weights,
+   scales each row by its routing weight and stores it, [T * k, H];
+3. combine: the k rows of each token are summed.
+
+Why: looping over experts in torch is a host round trip and a few small
+GEMMs per expert (128 experts: hundreds of launches per layer, and the host
+must read how many tokens each expert got). Here the number of launches is
+fixed and nothing is read back, so a decode step can be a CUDA graph: the
+padded row count is bounded by T * k + min(E, T * k) * (BLOCK_M - 1), the
+grid is sized for that bound, and tiles past the real end exit at once.
+
+Twin: fused_moe_torch.py. Rounding to the activation dtype happens where the
+twin (and HF transformers) rounds; accumulation is fp32.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tandem.kernels.common_triton import dot_settings, mma
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int,
+                    block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_rows, tile_experts) for topk_ids [T, k].
+
+    sorted_rows [num_tiles * block_m] (int32): indices into the flattened
+    [T * k] routing, grouped by expert, each expert's group padded to a
+    multiple of block_m with T * k (a row that does not exist).
+    tile_experts [num_tiles] (int32): the expert of each tile; num_experts for
+    the tiles past the last expert's group.
+
+    Torch ops without a host synchronisation (the sizes depend on T, k and E
+    only), so the whole layer can be captured in a CUDA graph."""
+    flat = topk_ids.reshape(-1)
+    num_rows = flat.numel()
+    device = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    padded_start = padded_end - padded
+    order = torch.argsort(flat, stable=True)
+    experts_in_order = flat[order]
+    # a row's rank within its expert's group, then its place in the padded order
+    rank = torch.arange(num_rows, device=device) - (counts.cumsum(0) - counts)[experts_in_order]
+    dest = padded_start[experts_in_order] + rank
+    # Only experts that got a row are padded, and at most block_m - 1 rows each.
+    bound = num_rows + min(num_experts, num_rows) * (block_m - 1)
+    num_tiles = triton.cdiv(bound, block_m)
+    sorted_rows = torch.full((num_tiles * block_m,), num_rows, dtype=torch.int32, device=device)
+    sorted_rows[dest] = order.to(torch.int32)
+    tile_starts = torch.arange(num_tiles, dtype=torch.int64, device=device) * block_m
+    tile_experts = torch.searchsorted(padded_end, tile_starts, right=True).to(torch.int32)
+    return sorted_rows, tile_experts
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, experts_ptr,
+                    num_rows, num_experts, top_k, hidden, inter,
+                    stride_x, stride_we, stride_wn, stride_out,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    tile = tl.program_id(0)
+    expert = tl.load(experts_ptr + tile).to(tl.int64)
+    if expert >= num_experts:
+        return
+    rows = tl.load(rows_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_ok = rows < num_rows
+    tokens = rows // top_k
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    w = w_ptr + expert * stride_we
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < hidden
+        a = tl.load(x_ptr + tokens[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        b_mask = k_ok[:, None] & col_ok[None, :]
+        # [BLOCK_K, BLOCK_N] tiles of W^T: gate rows `cols`, up rows `inter + cols`
+        b_gate = tl.load(w + cols[None, :] * stride_wn + ks[:, None], mask=b_mask, other=0.0)
+        b_up = tl.load(w + (inter + cols)[None, :] * stride_wn + ks[:, None], mask=b_mask, other=0.0)
+        acc_gate += mma(a, b_gate, DOT_PRECISION, DOT_UPCAST)
+        acc_up += mma(a, b_up, DOT_PRECISION, DOT_UPCAST)
+    dtype = out_ptr.dtype.element_ty
+    gate = acc_gate.to(dtype).to(tl.float32)
+    up = acc_up.to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], (act * up).to(dtype),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, rows_ptr, experts_ptr,
+                 num_rows, num_experts, hidden, inter,
+                 stride_act, stride_we, stride_wn, stride_out,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    tile = tl.program_id(0)
+    expert = tl.load(experts_ptr + tile).to(tl.int64)
+    if expert >= num_experts:
+        return
+    rows = tl.load(rows_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_ok = rows < num_rows
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    w = w_ptr + expert * stride_we
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < inter
+        a = tl.load(act_ptr + rows[:, None] * stride_act + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        b = tl.load(w + cols[None, :] * stride_wn + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc += mma(a, b, DOT_PRECISION, DOT_UPCAST)
+    dtype = out_ptr.dtype.element_ty
+    scale = tl.load(weights_ptr + rows, mask=row_ok, other=0.0)
+    # the down projection rounded, then scaled in fp32 and rounded again, as the twin does
+    y = acc.to(dtype).to(tl.float32) * scale[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y.to(dtype),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _block(n: int, cap: int) -> int:
+    return max(16, min(cap, triton.next_power_of_2(n)))
+
+
+def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                     topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Same contract as fused_moe_torch: hidden [T, H]; w13 [E, 2I, H]; w2
+    [E, H, I]; topk_weights, topk_ids [T, k]. Returns [T, H]."""
+    tokens, hidden_size = hidden.shape
+    num_experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    top_k = topk_ids.shape[1]
+    if w13.shape != (num_experts, 2 * inter, hidden_size) or w2.shape != (num_experts, hidden_size, inter):
+        raise ValueError(f"fused_moe_triton: w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit "
+                         f"hidden size {hidden_size}")
+    if hidden.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1:
+        raise ValueError("fused_moe_triton: the last dimensions must be dense")
+    if tokens == 0:
+        return torch.zeros_like(hidden)
+    num_rows = tokens * top_k
+    # A tile holds one expert's rows: small tiles when experts get few rows each (decode).
+    block_m = _block(num_rows // num_experts, 64)
+    sorted_rows, tile_experts = align_by_expert(topk_ids, num_experts, block_m)
+    weights = topk_weights.reshape(-1).to(torch.float32)
+    dots = dot_settings(hidden.dtype)
+    act = torch.empty((num_rows, inter), dtype=hidden.dtype, device=hidden.device)
+    block_n, block_k = _block(inter, 64), _block(hidden_size, 64)
+    _gate_up_kernel[(tile_experts.numel(), triton.cdiv(inter, block_n))](
+        hidden, w13, act, sorted_rows, tile_experts, num_rows, num_experts, top_k, hidden_size, inter,
+        hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **dots)
+    out_rows = torch.empty((num_rows, hidden_size), dtype=hidden.dtype, device=hidden.device)
+    block_n, block_k = _block(hidden_size, 64), _block(inter, 64)
+    _down_kernel[(tile_experts.numel(), triton.cdiv(hidden_size, block_n))](
+        act, w2, out_rows, weights, sorted_rows, tile_experts, num_rows, num_experts, hidden_size, inter,
+        act.stride(0), w2.stride(0), w2.stride(1), out_rows.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **dots)
+    return out_rows.view(tokens, top_k, hidden_size).sum(dim=1)
