@@ -286,6 +286,8 @@ class LLMEngine:
             if self.structured.abort(rid) is not None:
                 continue
             req = self.scheduler.abort(rid)
+            if req is not None and self.speculator is not None:
+                self.speculator.forget([rid])
             if req is not None and req.num_computed_tokens < req.num_prompt_tokens:
                 log.info("request %s aborted during its prefill, after %d of %d prompt tokens",
                          rid, req.num_computed_tokens, req.num_prompt_tokens)
@@ -308,7 +310,7 @@ class LLMEngine:
         t0 = clock()
         plan = scheduler.schedule()
         if self.speculator is not None:
-            self.speculator.forget(plan.freed_request_ids)
+            self.speculator.forget(plan.freed_request_ids)  # preempted ones (the rest went already)
         t1 = clock()
         runner.swap(plan)  # even for an empty plan: a lone request may have been swapped out
         self.last_step_empty = plan.is_empty and not ready  # e.g. every request waits on its KV fetch
@@ -350,6 +352,9 @@ class LLMEngine:
             t4 = t3
         t5 = clock()
         if self.speculator is not None and logits is not None:
+            # Finished requests' draft state goes now, not with the next plan's
+            # freed ids: an idle engine holds no draft blocks.
+            self.speculator.forget([r.request_id for r in requests if r.is_finished])
             self.speculator.propose(requests)  # those still running
         t6 = clock()
         times.schedule, times.prepare, times.forward = t1 - t0, t2 - t1_loaded, t3 - t2

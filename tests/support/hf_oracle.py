@@ -51,12 +51,14 @@ def compare_with_tie_rule(ours: list[int], our_top5: list[dict[int, float]], ref
     return n
 
 
-def tiny_model_dir(tmp_path, arch: str, seed: int = 0, lm_head_scale: float = 1.0) -> tuple[str, object]:
-    """Save a tiny random-weight Llama or Qwen3 as a HF folder; return (path, HF model)."""
+def tiny_model_dir(tmp_path, arch: str, seed: int = 0, lm_head_scale: float = 1.0,
+                   vocab_size: int = 512) -> tuple[str, object]:
+    """Save a tiny random-weight Llama or Qwen3 as a HF folder; return (path, HF model).
+    vocab_size: SmolLM2's 49152 makes a (useless) draft model for it."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                   rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.3,
                   eos_token_id=1, bos_token_id=0, pad_token_id=0)
