@@ -10,10 +10,13 @@ copied on periodically, so a loop ("a b a b") is proposed k tokens ahead.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+
+if TYPE_CHECKING:
+    from tandem.engine.request import Request
 
 
 def propose_ngram(token_ids: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -54,11 +57,21 @@ def _copy_on(token_ids: Sequence[int], follow: int, k: int) -> list[int]:
 
 
 class NgramProposer:
+    """A Proposer (speculator.py) that keeps no state and no KV."""
+
+    block_bytes = 0
+
     def __init__(self, min_n: int, max_n: int) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"prompt lookup needs 1 <= min ({min_n}) <= max ({max_n})")
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
-        return propose_ngram(token_ids, self.min_n, self.max_n, k)
+    def bind(self, num_blocks: int, max_model_len: int, enable_caching: bool) -> None:
+        pass
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        pass
+
+    def propose(self, requests: Sequence["Request"], num_tokens: Sequence[int]) -> list[list[int]]:
+        return [propose_ngram(r.all_token_ids, self.min_n, self.max_n, k) for r, k in zip(requests, num_tokens)]

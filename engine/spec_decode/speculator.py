@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional, Protocol, Sequence
 
 from tandem.engine.config import ConfigError, EngineConfig, ModelConfig
 from tandem.engine.loader import ModelInfo
@@ -28,6 +28,21 @@ from tandem.engine.spec_decode.ngram_proposer import NgramProposer
 log = logging.getLogger(__name__)
 
 
+class Proposer(Protocol):
+    """What proposes draft tokens: NgramProposer, DraftModelProposer."""
+
+    block_bytes: int  # KV bytes it needs beside each of the target's blocks
+
+    def bind(self, num_blocks: int, max_model_len: int, enable_caching: bool) -> None:
+        """The target's cache is sized: take as many blocks of one's own, if any."""
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """These requests left the target's cache (finished, aborted, preempted)."""
+
+    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[list[int]]:
+        """Up to num_tokens[i] tokens to follow requests[i]'s tokens ([]: none)."""
+
+
 def speculates(request: Request) -> bool:
     """Whether one forward can verify the request's proposals (module docstring)."""
     p = request.params
@@ -36,8 +51,7 @@ def speculates(request: Request) -> bool:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, proposer) -> None:
-        """proposer: an NgramProposer, or a DraftModelProposer (bind() it first)."""
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
         self.proposer = proposer
@@ -55,16 +69,15 @@ class Speculator:
     @property
     def kv_block_bytes(self) -> int:
         """What the proposer's KV costs per target block (a draft model's block; 0 for n-grams)."""
-        return getattr(self.proposer, "block_bytes", 0)
+        return self.proposer.block_bytes
 
     def bind(self, num_blocks: int, max_model_len: int, enable_caching: bool) -> None:
         self.max_model_len = max_model_len
-        if hasattr(self.proposer, "bind"):
-            self.proposer.bind(num_blocks, max_model_len, enable_caching)
+        self.proposer.bind(num_blocks, max_model_len, enable_caching)
 
     def forget(self, request_ids: Iterable[str]) -> None:
         """Requests whose blocks went back (finished, aborted, preempted): their proposer state goes."""
-        if request_ids and hasattr(self.proposer, "forget"):
+        if request_ids:
             self.proposer.forget(request_ids)
 
     def propose(self, requests: Sequence[Request]) -> None:
@@ -83,14 +96,7 @@ class Speculator:
                 ks.append(k)
         if not chosen:
             return
-        proposer = self.proposer
-        if isinstance(proposer, NgramProposer):
-            for request, k in zip(chosen, ks):
-                drafts = proposer.propose(request.all_token_ids, k)
-                if drafts:
-                    request.spec_token_ids = drafts
-            return
-        for request, drafts in zip(chosen, proposer.propose(chosen, ks)):
+        for request, drafts in zip(chosen, self.proposer.propose(chosen, ks)):
             if drafts:
                 request.spec_token_ids = drafts
 

@@ -79,10 +79,15 @@ def assert_all_blocks_back(llm: LLM) -> None:
         assert proposer.kv.pool.num_free_blocks == proposer.kv.pool.num_usable_blocks
 
 
-def test_prompt_lookup_gives_the_same_output_through_preemption(workload):
+@pytest.fixture(scope="module")
+def ngram():
+    # 17 usable blocks: the workload's first three requests take 16 to start and need more as they decode.
+    return LLM(speculative_config=NGRAM, num_blocks=18)
+
+
+def test_prompt_lookup_gives_the_same_output_through_preemption(workload, ngram):
     prompts, params, refs = workload
-    # 17 usable blocks: the first three requests take 16 to start and need more as they decode.
-    llm = LLM(speculative_config=NGRAM, num_blocks=18)
+    llm = ngram
     outputs = llm.generate(prompts, params)
     assert_same_output(outputs, refs)
     assert llm.engine.stats().num_preemptions > 0
@@ -92,14 +97,15 @@ def test_prompt_lookup_gives_the_same_output_through_preemption(workload):
     assert_all_blocks_back(llm)
 
 
-def test_sampled_requests_speculate_too(workload):
+def test_sampled_requests_speculate_too(workload, ngram):
     prompts, _, _ = workload
-    llm = LLM(speculative_config=NGRAM)
-    params = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = llm.generate(prompts[:3], params)
-    assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outputs)
-    assert spec_counters(llm)[1] > 0
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts[:3], params)] == \
+    llm = ngram
+    before = spec_counters(llm)
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=16, ignore_eos=True)
+    outputs = llm.generate(prompts[:2], params)
+    assert all(len(o.outputs[0].token_ids) == 16 for o in outputs)
+    assert spec_counters(llm)[1] > before[1]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts[:2], params)] == \
         [o.outputs[0].token_ids for o in outputs], "a seed makes the output reproducible"
 
 
@@ -139,8 +145,7 @@ def test_blocks_filled_among_rejected_drafts_serve_a_next_turn_unchanged(base, w
     first = random_draft.generate([prompts[2]], greedy)[0].outputs[0].token_ids
     follow_up = prompts[2] + first + base.tokenizer(" In short,")["input_ids"]
     ours = random_draft.generate([follow_up], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
-    fresh = LLM(enable_prefix_caching=False, num_blocks=64)
-    want = fresh.generate([follow_up], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    want = base.generate([follow_up], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
     assert ours.num_cached_tokens >= (len(prompts[2]) + 32) // 16 * 16, "blocks filled by decoding were reused"
     assert ours.outputs[0].token_ids == want.outputs[0].token_ids
 
