@@ -2,8 +2,9 @@
 
 One step = schedule -> (load KV) -> run the model -> (save KV) -> sample
 (or verify draft tokens) -> the scheduler's update (stop rules, text,
-outputs) -> (propose the next draft tokens). All of it runs on one thread; the asyncio wrapper for services lives in async_engine.py, the
-offline `LLM.generate` in llm.py.
+outputs) -> (propose the next draft tokens). All of it runs on one thread;
+the asyncio wrapper for services lives in async_engine.py, the offline
+`LLM.generate` in llm.py.
 """
 from __future__ import annotations
 

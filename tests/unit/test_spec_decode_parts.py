@@ -88,7 +88,6 @@ def test_rejected_drafts_roll_back_and_named_blocks_hold_only_accepted_tokens():
                 for i, n in enumerate((3, 9, 17, 4))]
     for r in requests:
         sched.add_request(r)
-    finished: list[Request] = []
     for _ in range(200):
         if not sched.has_unfinished():
             break
