@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 
 def propose_ngram(token_ids: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
     """Up to k tokens that followed the latest earlier occurrence of the
-    longest suffix of token_ids of length in [min_n, max_n]; [] when none occurs."""
+    longest suffix of token_ids of length in [min_n, max_n]; [] when none occurs.
+    token_ids: a list, or an int64 array (NgramProposer keeps one per request)."""
     length = len(token_ids)
     if k <= 0 or length < min_n + 1:
         return []
@@ -57,7 +58,9 @@ def _copy_on(token_ids: Sequence[int], follow: int, k: int) -> list[int]:
 
 
 class NgramProposer:
-    """A Proposer (speculator.py) that keeps no state and no KV."""
+    """A Proposer (speculator.py) without KV. Its one state: each request's
+    tokens as an int64 array, grown by the new tokens each step, since
+    converting a long list anew every step costs more than the search."""
 
     block_bytes = 0
 
@@ -66,12 +69,29 @@ class NgramProposer:
             raise ValueError(f"prompt lookup needs 1 <= min ({min_n}) <= max ({max_n})")
         self.min_n = min_n
         self.max_n = max_n
+        self._tokens: dict[str, tuple["Request", np.ndarray, int]] = {}  # id -> (request, buffer, length)
 
     def bind(self, num_blocks: int, max_model_len: int, enable_caching: bool) -> None:
         pass
 
     def forget(self, request_ids: Iterable[str]) -> None:
-        pass
+        for request_id in request_ids:
+            self._tokens.pop(request_id, None)
 
     def propose(self, requests: Sequence["Request"], num_tokens: Sequence[int]) -> list[list[int]]:
-        return [propose_ngram(r.all_token_ids, self.min_n, self.max_n, k) for r, k in zip(requests, num_tokens)]
+        return [propose_ngram(self._array(r), self.min_n, self.max_n, k) for r, k in zip(requests, num_tokens)]
+
+    def _array(self, request: "Request") -> np.ndarray:
+        tokens = request.all_token_ids
+        entry = self._tokens.get(request.request_id)
+        if entry is None or entry[0] is not request:  # new, or a new request under the same id
+            buffer, length = np.empty(2 * len(tokens) + 64, dtype=np.int64), 0
+        else:
+            _, buffer, length = entry
+        if len(tokens) > len(buffer):
+            grown = np.empty(2 * len(tokens), dtype=np.int64)
+            grown[:length] = buffer[:length]
+            buffer = grown
+        buffer[length:len(tokens)] = tokens[length:]
+        self._tokens[request.request_id] = (request, buffer, len(tokens))
+        return buffer[:len(tokens)]

@@ -19,7 +19,7 @@ from tandem.engine.request import Request, RequestStatus, SamplingParams
 from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.spec_decode.config import SpeculativeConfig
-from tandem.engine.spec_decode.ngram_proposer import propose_ngram
+from tandem.engine.spec_decode.ngram_proposer import NgramProposer, propose_ngram
 from tandem.engine.spec_decode.rejection_sampler import RejectionSampler, accept_greedy
 
 BS = 4  # tokens per block: drafts cross block boundaries often
@@ -228,6 +228,19 @@ def test_rejection_sampling_keeps_the_targets_distribution():
 ])
 def test_prompt_lookup_proposes_what_followed_the_suffix(tokens, lo, hi, k, want):
     assert propose_ngram(tokens, lo, hi, k) == want
+
+
+def test_the_ngram_proposer_keeps_each_requests_tokens_up_to_date():
+    rng = random.Random(3)
+    proposer = NgramProposer(1, 3)
+    r = Request("r", [rng.randrange(2, 9) for _ in range(5)], SamplingParams())
+    for _ in range(300):  # grows past its buffer more than once
+        assert proposer.propose([r], [3]) == [propose_ngram(r.all_token_ids, 1, 3, 3)]
+        r.all_token_ids.append(rng.randrange(2, 9))
+    again = Request("r", [4, 5, 4], SamplingParams())  # a new request under the same id
+    assert proposer.propose([again], [2]) == [[5, 4]]
+    proposer.forget(["r"])
+    assert proposer._tokens == {}
 
 
 def parse(*argv: str) -> EngineArgs:
