@@ -105,12 +105,15 @@ def _load_draft(config: EngineConfig, target: ModelInfo):
     """The draft model's runner and proposer, with its weights loaded and its
     cache not yet bound. Its tokenizer must be the target's: proposals are ids."""
     from tandem.engine.hub import HubSource
-    from tandem.engine.loader import load_model_info
+    from tandem.engine.loader import ModelNotFoundError, load_model_info
     from tandem.engine.model_runner import ModelRunner
     from tandem.engine.spec_decode.draft_proposer import DraftModelProposer
 
     spec, mc = config.speculative, config.model
-    info = load_model_info(spec.model, mc.load_format, None, None, None, HubSource(None, mc.download_dir))
+    try:
+        info = load_model_info(spec.model, mc.load_format, None, None, None, HubSource(None, mc.download_dir))
+    except ModelNotFoundError as exc:
+        raise ConfigError(f"--speculative-config: the draft model: {exc}") from None
     _check_same_vocabulary(spec.model, info, mc.model, target)
     # Its own copy of the settings: the target's device, dtype and scheduler
     # limits; no KV transfer or host tier (its KV never leaves the process);

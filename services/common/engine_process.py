@@ -129,6 +129,8 @@ async def run_engine_service(args: argparse.Namespace, *, role: str, kv_role: st
         engine = AsyncLLMEngine(config, on_death=on_death, kv_store=kv_store)
     except ModelNotFoundError as exc:
         config_error(f"--model: {exc}")
+    except ConfigError as exc:  # found while loading (a draft model of another vocabulary)
+        config_error(str(exc))
     log.info("%s: model %s loaded in %.1fs", role, engine.model_id, time.monotonic() - t0)
     metrics = EngineMetrics(engine, role)
     start_metrics_server(args.metrics_port, host=args.host)

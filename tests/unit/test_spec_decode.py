@@ -160,3 +160,11 @@ def test_an_abort_mid_speculation_gives_every_block_back(workload, random_draft)
     engine.abort("gone")
     assert not engine.has_unfinished()
     assert_all_blocks_back(random_draft)
+
+
+def test_a_draft_of_another_vocabulary_is_refused_before_the_model_loads(tmp_path):
+    from tandem.engine import ConfigError
+
+    path, _ = tiny_model_dir(tmp_path, "llama")  # 512 tokens
+    with pytest.raises(ConfigError, match="--speculative-config: the draft model .* its vocabulary has 512"):
+        LLM(speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 2})
