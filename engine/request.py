@@ -216,6 +216,10 @@ class TokenLogprob:
     top: dict[int, float]
 
 
+# A request without proposed tokens (shared, never mutated).
+NO_DRAFTS: list[int] = []
+
+
 class Request:
     """One request's whole state: its tokens and progress, the KV blocks it
     holds and their names, its text so far. It is freed by one call
@@ -231,7 +235,7 @@ class Request:
                  "logprobs", "num_cached_tokens", "num_external_tokens", "num_preemptions", "stop_reason",
                  "kv_transfer_params", "stop_token_set", "blocks", "block_ids", "num_named_blocks",
                  "block_hashes", "host_slots", "num_host_tokens", "detokenizer", "generator",
-                 "grammar", "__weakref__")
+                 "grammar", "spec_token_ids", "__weakref__")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_id: Optional[int] = None, arrival_time: Optional[float] = None,
@@ -275,6 +279,9 @@ class Request:
         # Structured outputs: the grammar matcher, advanced with each token
         # (set by the engine once the grammar is compiled; structured_output_manager.py)
         self.grammar: Any = None
+        # Speculative decoding: tokens proposed to follow all_token_ids, verified
+        # at the request's next step (the scheduler takes them: NO_DRAFTS again).
+        self.spec_token_ids: list[int] = NO_DRAFTS
 
     # The unified progress rule: two numbers.
     @property

@@ -30,7 +30,7 @@ class SampleResult:
     errors: dict[int, RequestFailedError] = field(default_factory=dict)
 
 
-def _plain_greedy(r: Request) -> bool:
+def plain_greedy(r: Request) -> bool:
     p = r.params
     return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty
             and not p.frequency_penalty and r.num_output_tokens >= p.min_tokens and not p.logit_bias)
@@ -50,9 +50,19 @@ def _nothing_allowed(r: Request) -> RequestFailedError:
     return RequestFailedError(f"{name}: the grammar allows no token of the vocabulary here", field=name)
 
 
-def _no_probability(r: Request) -> RequestFailedError:
+def no_probability_error(r: Request) -> RequestFailedError:
     return RequestFailedError(f"sampling: this request's parameters ({_sampling_fields(r)}) left no "
                               "finite token probability; use values of ordinary size")
+
+
+def token_logprob(row: torch.Tensor, token: int, num_top: int) -> TokenLogprob:
+    """The chosen token's logprob in `row` (a log_softmax) and the top num_top alternatives."""
+    top: dict[int, float] = {}
+    if num_top > 0:
+        values, ids = torch.topk(row, num_top)
+        # A grammar may leave fewer than k tokens: forbidden ones are not alternatives.
+        top = {t: v for t, v in zip(ids.tolist(), values.tolist()) if v != float("-inf")}
+    return TokenLogprob(token, float(row[token]), top)
 
 
 class Sampler:
@@ -61,7 +71,7 @@ class Sampler:
         self._default = torch.Generator(device="cpu")
         self._default.manual_seed(torch.initial_seed() & 0xFFFF_FFFF)
 
-    def _generator(self, request: Request) -> torch.Generator:
+    def generator(self, request: Request) -> torch.Generator:
         """A seeded request's own generator (kept on the request, so it goes
         with it), else the shared one."""
         seed = request.params.seed
@@ -81,7 +91,7 @@ class Sampler:
         logits = logits[:, : self.vocab_size]
         if token_masks is not None:
             token_masks.apply(logits)
-        if all(_plain_greedy(r) for r in requests):
+        if all(plain_greedy(r) for r in requests):
             # The common serving case: argmax where the logits are, move only ids.
             if token_masks is None:
                 return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(requests))
@@ -124,7 +134,7 @@ class Sampler:
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self._apply_logit_bias(logits, requests)
+        logits = self.apply_logit_bias(logits, requests)
         logits = self._apply_penalties(logits, requests)
         masked = self._mask_early_stop(logits, requests)
         errors = self._check_rows(logits, requests, masked)
@@ -134,13 +144,7 @@ class Sampler:
             if r.params.logprobs is None or i in errors:
                 logprobs.append(None)
                 continue
-            row = raw_logprobs[i]
-            top: dict[int, float] = {}
-            if r.params.logprobs > 0:
-                values, ids = torch.topk(row, r.params.logprobs)
-                # A grammar may leave fewer than k tokens: forbidden ones are not alternatives.
-                top = {t_: v for t_, v in zip(ids.tolist(), values.tolist()) if v != float("-inf")}
-            logprobs.append(TokenLogprob(t, float(row[t]), top))
+            logprobs.append(token_logprob(raw_logprobs[i], t, r.params.logprobs))
         return SampleResult(tokens, logprobs, errors)
 
     def _check_rows(self, logits: torch.Tensor, requests: Sequence[Request],
@@ -160,10 +164,10 @@ class Sampler:
             elif bool(empty[i]) and r.grammar is not None:
                 errors[i] = _nothing_allowed(r)
             else:
-                errors[i] = _no_probability(r)
+                errors[i] = no_probability_error(r)
         return errors
 
-    def _apply_logit_bias(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    def apply_logit_bias(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         for i, r in enumerate(requests):
             bias = r.params.logit_bias
             if bias:
@@ -212,17 +216,17 @@ class Sampler:
         for i, r in enumerate(requests):
             if greedy[i] or i in errors:
                 continue
-            probs = self._filtered_probs(logits[i], r)
+            probs = self.filtered_probs(logits[i], r)
             total = float(probs.sum())
             if not math.isfinite(total) or total <= 0.0 or not bool(torch.isfinite(probs).all()):
                 # Finite logits can still overflow once divided by the temperature.
-                errors[i] = _no_probability(r)
+                errors[i] = no_probability_error(r)
                 continue
-            tokens[i] = int(torch.multinomial(probs, 1, generator=self._generator(r)))
+            tokens[i] = int(torch.multinomial(probs, 1, generator=self.generator(r)))
         return tokens
 
     @staticmethod
-    def _filtered_probs(row: torch.Tensor, r: Request) -> torch.Tensor:
+    def filtered_probs(row: torch.Tensor, r: Request) -> torch.Tensor:
         p = r.params
         row = row / p.temperature
         if p.top_k and p.top_k > 0 and p.top_k < row.numel():

@@ -13,6 +13,13 @@ The update step takes the sampled tokens and applies the stop rules; a
 finished request is freed by one call, finish(), which also asks the KV
 connector whether to hold its blocks for a consumer (the scheduler's holds,
 kv_holds.py).
+
+Speculative decoding changes only the numbers: a decode that carries k
+proposed tokens (request.spec_token_ids) computes 1 + k tokens, and its
+update (update_verified) takes the accepted ones plus the target's own token
+and moves num_computed_tokens back over the rejected ones, whose KV slots the
+next step writes again. Blocks are named only within the request's known
+tokens, so no block hash ever names a rejected token.
 """
 from __future__ import annotations
 
@@ -26,7 +33,7 @@ from tandem.engine.kv_cache_manager import NO_NEW_BLOCKS, KVCacheManager
 from tandem.engine.kv_holds import KVHolds
 from tandem.engine.outputs import NO_LOGPROBS, RequestOutput, request_output
 from tandem.engine.plan import SchedulerOutput
-from tandem.engine.request import Request, RequestFailedError, RequestStatus, TokenLogprob
+from tandem.engine.request import NO_DRAFTS, Request, RequestFailedError, RequestStatus, TokenLogprob
 
 if TYPE_CHECKING:
     from tandem.engine.connector.base import KVConnector
@@ -48,6 +55,13 @@ class SchedulerStats:
     prompt_tokens_local_hit: int = 0
     prompt_tokens_external: int = 0
     generation_tokens: int = 0  # tokens sampled here
+    # Speculative decoding: decodes that carried draft tokens, the draft
+    # tokens verified, those accepted, and the tokens those decodes added to
+    # their requests (accepted + the target's own, less what a stop cut).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_emitted_tokens: int = 0
 
 
 class Scheduler:
@@ -69,6 +83,10 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._freed: list[str] = []  # requests whose blocks went back since the last plan
         self._sampling: list[Request] = []  # the last plan's sampled entries' requests, in order
+        # Speculative decoding: the last plan's draft tokens by entry index, and
+        # aligned with _sampling (empty when no entry carries any).
+        self._entry_drafts: dict[int, list[int]] = {}
+        self._drafts: list[list[int]] = []
 
     # ---- bookkeeping -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -94,6 +112,7 @@ class Scheduler:
         back (or held for a consumer when the connector asks), its row in the
         runner dropped at the next plan."""
         request.status = status
+        request.spec_token_ids = NO_DRAFTS
         if request in self.running:
             self.running.remove(request)
         elif request in self.staging:
@@ -130,6 +149,7 @@ class Scheduler:
         self.holds.expire()
         out = SchedulerOutput()
         self._sampling = []
+        self._entry_drafts = {}
         budget = self.config.max_num_batched_tokens
         if self.config.policy == "fifo":
             budget = self._schedule_running(self.running, budget, out)
@@ -138,6 +158,10 @@ class Scheduler:
         else:
             self._schedule_srtf(budget, out)
         out.freed_request_ids, self._freed = self._freed, []
+        self._drafts = []
+        if self._entry_drafts:
+            self._drafts = [self._entry_drafts.get(e, NO_DRAFTS) for e in out.sampled]
+            out.num_draft_tokens = [len(d) for d in self._drafts]
         if self.swapper is not None:
             self.swapper.flush(out)
         if self.connector is not None:
@@ -148,6 +172,12 @@ class Scheduler:
     def sampling_requests(self) -> list[Request]:
         """The requests of the last plan's sampled entries, in order."""
         return self._sampling
+
+    @property
+    def sampling_drafts(self) -> list[list[int]]:
+        """The draft tokens each of sampling_requests carries in the last plan
+        (aligned with it), or [] when none carries any."""
+        return self._drafts
 
     def _chunk(self, remaining: int, budget: int) -> int:
         n = remaining if remaining < budget else budget
@@ -178,6 +208,20 @@ class Scheduler:
                 num_new = threshold
             if num_new <= 0:
                 continue
+            drafts = request.spec_token_ids
+            if drafts is not NO_DRAFTS:
+                request.spec_token_ids = NO_DRAFTS
+                # A decode's proposals ride along as far as the budget and the
+                # context allow. They never preempt anyone: without blocks for
+                # them the request decodes its one token.
+                room = min(budget - 1, self.max_model_len - len(tokens))
+                if room > 0 and len(tokens) - start == 1:
+                    drafts = drafts[:room]
+                    new_blocks = allocate(request, 1 + len(drafts))
+                    if new_blocks is not None:
+                        budget -= 1 + len(drafts)
+                        self._emit(request, 1 + len(drafts), new_blocks, out, drafts)
+                        continue
             new_blocks = allocate(request, num_new)
             while new_blocks is None:
                 victim = self._pick_victim(out)
@@ -217,6 +261,7 @@ class Scheduler:
         self._freed.append(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0  # none on the device (prefix cache or host tier may help)
+        request.spec_token_ids = NO_DRAFTS
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -309,9 +354,11 @@ class Scheduler:
         _, num_hit_tokens = self.kv.get_computed_blocks(request)
         return request.num_tokens - num_hit_tokens
 
-    def _emit(self, request: Request, num_new: int, new_blocks: list, out: SchedulerOutput) -> None:
+    def _emit(self, request: Request, num_new: int, new_blocks: list, out: SchedulerOutput,
+              drafts: list[int] = NO_DRAFTS) -> None:
         """Add the entry: `request` computes num_new tokens this step; progress
-        advances when scheduled."""
+        advances when scheduled. drafts: a decode's proposed tokens, its last
+        len(drafts) of num_new (verified in the update step)."""
         start = request.num_computed_tokens
         end = start + num_new
         request.num_computed_tokens = end
@@ -320,6 +367,14 @@ class Scheduler:
         out.num_new_tokens.append(num_new)
         out.new_block_ids.append([b.block_id for b in new_blocks] if new_blocks else NO_BLOCK_IDS)
         tokens = request.all_token_ids
+        if drafts:  # a decode: its last known token, then the proposals
+            entry = len(out.request_ids) - 1
+            out.token_ids.append(tokens[start])
+            out.token_ids.extend(drafts)
+            self._entry_drafts[entry] = drafts
+            out.sampled.append(entry)
+            self._sampling.append(request)
+            return
         if num_new == 1:
             out.token_ids.append(tokens[start])
         else:
@@ -347,7 +402,9 @@ class Scheduler:
                     self.stats.prompt_tokens_external -= moved
                     self.stats.prompt_tokens_computed += moved
                 request.num_external_tokens = 0
-            tokens.extend(request.all_token_ids[start:start + num_new])
+            drafts = self._entry_drafts.get(i, NO_DRAFTS)
+            tokens.extend(request.all_token_ids[start:start + num_new - len(drafts)])
+            tokens.extend(drafts)
         plan.token_ids = tokens
 
     # ---- the update step ---------------------------------------------
@@ -372,6 +429,64 @@ class Scheduler:
             outputs.append(self.fail(request, error))
         self._sampling = []
         return outputs
+
+    def update_verified(self, token_ids: Sequence[Sequence[int]],
+                        logprobs: Sequence[Sequence[Optional[TokenLogprob]]], num_accepted: Sequence[int],
+                        errors: dict[int, RequestFailedError]) -> list[RequestOutput]:
+        """update() for a plan whose entries carry draft tokens: entry i of
+        sampling_requests takes token_ids[i] (its num_accepted[i] accepted
+        drafts, then the target's own token; one token without drafts) until
+        a stop rule ends it."""
+        outputs: list[RequestOutput] = []
+        stats = self.stats
+        for i, (request, drafts) in enumerate(zip(self._sampling, self._drafts)):
+            error = errors.get(i)
+            accepted = num_accepted[i] if error is None else 0
+            # The rejected drafts' KV is not the sequence's: progress moves back
+            # to the accepted tokens, and the next step writes those slots again.
+            request.num_computed_tokens -= len(drafts) - accepted
+            if error is None:
+                try:
+                    out = self._take_tokens(request, token_ids[i], logprobs[i])
+                    stats.generation_tokens += len(out.new_token_ids)
+                    if drafts:
+                        stats.spec_num_drafts += 1
+                        stats.spec_num_draft_tokens += len(drafts)
+                        stats.spec_num_accepted_tokens += accepted
+                        stats.spec_num_emitted_tokens += len(out.new_token_ids)
+                    outputs.append(out)
+                    continue
+                except Exception as exc:  # detokenizing or a stop rule broke on this request alone
+                    log.exception("request %s failed after sampling", request.request_id)
+                    error = RequestFailedError(f"the engine failed this request: {exc!r}",
+                                               caused_by_request=False)
+            outputs.append(self.fail(request, error))
+        self._sampling = []
+        self._drafts = []
+        return outputs
+
+    def _take_tokens(self, request: Request, token_ids: Sequence[int],
+                     logprobs: Sequence[Optional[TokenLogprob]]) -> RequestOutput:
+        """Take tokens in order until a stop rule ends the request (the rest are cut)."""
+        taken: list[int] = []
+        taken_logprobs: list[TokenLogprob] = []
+        status = None
+        for token, logprob in zip(token_ids, logprobs):
+            status = request.take_token(token, logprob, self.max_model_len)
+            taken.append(token)
+            if logprob is not None:
+                taken_logprobs.append(logprob)
+            if status is not None:
+                break
+        if request.num_computed_tokens > request.num_tokens:
+            # A stop inside the accepted run: KV past the last token taken is not the sequence's.
+            request.num_computed_tokens = request.num_tokens
+        detok = request.detokenizer
+        text = detok.delta(status is not None) if detok is not None else ""
+        out = request_output(request, taken, text, taken_logprobs or NO_LOGPROBS, status)
+        if status is not None:
+            self.finish(request, status)
+        return out
 
     def _take_token(self, request: Request, token: int, logprob: Optional[TokenLogprob]) -> RequestOutput:
         status = request.take_token(token, logprob, self.max_model_len)

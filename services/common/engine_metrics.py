@@ -45,6 +45,10 @@ class EngineMetrics:
         "kv_swapped_in_blocks": ("KV_SWAPPED_IN_BLOCKS", {}),
         "kv_host_offloaded_blocks": ("KV_HOST_OFFLOADED_BLOCKS", {}),
         "kv_host_hit_blocks": ("KV_HOST_HIT_BLOCKS", {}),
+        "spec_decode_num_drafts": ("SPEC_DECODE_NUM_DRAFTS", {}),
+        "spec_decode_num_draft_tokens": ("SPEC_DECODE_NUM_DRAFT_TOKENS", {}),
+        "spec_decode_num_accepted_tokens": ("SPEC_DECODE_NUM_ACCEPTED_TOKENS", {}),
+        "spec_decode_num_emitted_tokens": ("SPEC_DECODE_NUM_EMITTED_TOKENS", {}),
     }
 
     def __init__(self, engine, role: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import sys
@@ -110,6 +111,12 @@ async def run_engine_service(args: argparse.Namespace, *, role: str, kv_role: st
     # Created on the serving loop: the engine hands results back to the loop
     # that awaits them. Loading blocks the loop, but nothing else runs yet.
     config = engine_config_from_args(args, kv_role)
+    if role == "prefill" and config.speculative is not None:
+        # A prefill samples one token per request: proposals would never be
+        # verified, and a draft model would only take memory. `tandem up` hands
+        # every engine the same flags; the decode role speculates.
+        log.info("prefill: --speculative-config is for the decode role; this engine does not speculate")
+        config = dataclasses.replace(config, speculative=None)
     kv_store = None
     if config.kv_transfer == "store":
         from tandem.services.kvstore.mover import ENGINE_SWITCH_INTERVAL_S, MovedBlockStoreClient
@@ -122,6 +129,8 @@ async def run_engine_service(args: argparse.Namespace, *, role: str, kv_role: st
         engine = AsyncLLMEngine(config, on_death=on_death, kv_store=kv_store)
     except ModelNotFoundError as exc:
         config_error(f"--model: {exc}")
+    except ConfigError as exc:  # found while loading (a draft model of another vocabulary)
+        config_error(str(exc))
     log.info("%s: model %s loaded in %.1fs", role, engine.model_id, time.monotonic() - t0)
     metrics = EngineMetrics(engine, role)
     start_metrics_server(args.metrics_port, host=args.host)

@@ -95,6 +95,19 @@ KV_HOST_OFFLOADED_BLOCKS = Counter(
 KV_HOST_HIT_BLOCKS = Counter(
     "tandem:kv_host_hit_blocks",
     "Prompt KV blocks restored from the host tier by their hash instead of computed.", ENGINE)
+SPEC_DECODE_NUM_DRAFTS = Counter(
+    "tandem:spec_decode_num_drafts",
+    "Speculative decoding: decode steps of a request that carried draft tokens to verify.", ENGINE)
+SPEC_DECODE_NUM_DRAFT_TOKENS = Counter(
+    "tandem:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens proposed and verified.", ENGINE)
+SPEC_DECODE_NUM_ACCEPTED_TOKENS = Counter(
+    "tandem:spec_decode_num_accepted_tokens",
+    "Speculative decoding: draft tokens the target model accepted (acceptance rate: this / "
+    "num_draft_tokens).", ENGINE)
+SPEC_DECODE_NUM_EMITTED_TOKENS = Counter(
+    "tandem:spec_decode_num_emitted_tokens",
+    "Speculative decoding: tokens the verifying steps added to their requests, accepted drafts plus the "
+    "target's own token, less what a stop cut (tokens per step: this / num_drafts).", ENGINE)
 PROMPT_TOKENS_BY_SOURCE = Counter(
     "tandem:prompt_tokens_by_source",
     "Prompt tokens by where their KV came from: local_compute, local_cache_hit, external_kv_transfer.",

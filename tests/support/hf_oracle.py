@@ -70,17 +70,19 @@ def check_against_oracle(outputs, refs: list[OracleRun], exact: bool) -> None:
         assert ours_lp == pytest.approx(ref.logprobs[:n], abs=1e-4)
 
 
-def tiny_model_dir(tmp_path, arch: str, seed: int = 0, lm_head_scale: float = 1.0) -> tuple[str, object]:
+def tiny_model_dir(tmp_path, arch: str, seed: int = 0, lm_head_scale: float = 1.0,
+                   vocab_size: int = 512) -> tuple[str, object]:
     """Save a tiny random-weight Llama, Qwen3, Qwen3-MoE or Mixtral as a HF
     folder; return (path, HF model).
 
     The MoE models have 8 experts, top-2; Qwen3-MoE's middle layer keeps a
-    dense MLP (mlp_only_layers), as some of its configs have."""
+    dense MLP (mlp_only_layers), as some of its configs have. vocab_size:
+    SmolLM2's 49152 makes a (useless) draft model for it."""
     from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3Config,
                               Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                   rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.3,
                   eos_token_id=1, bos_token_id=0, pad_token_id=0)

@@ -184,6 +184,14 @@ decode = engine("decode", "tandem / decode", [
         panel("End-to-end latency", q("tandem:e2e_request_latency_seconds", "decode"), "s"),
         panel("Generated tokens per second", [(f"sum(rate(tandem:generation_tokens_total{sel('decode')}[{R}]))", "tokens/s")], "short"),
     ]),
+    ("Speculative decoding (--speculative-config)", [
+        panel("Draft acceptance rate", [(f"sum(rate(tandem:spec_decode_num_accepted_tokens_total{sel('decode')}[{R}])) / sum(rate(tandem:spec_decode_num_draft_tokens_total{sel('decode')}[{R}]))", "accepted / proposed")], "percentunit",
+              "Share of draft tokens the served model accepted."),
+        panel("Tokens per verifying step", [(f"sum(rate(tandem:spec_decode_num_emitted_tokens_total{sel('decode')}[{R}])) / sum(rate(tandem:spec_decode_num_drafts_total{sel('decode')}[{R}]))", "tokens per step")], "short",
+              "Tokens a request gains per step that verified drafts (1 without speculation)."),
+        panel("Draft tokens per second", [(f"sum(rate(tandem:spec_decode_num_draft_tokens_total{sel('decode')}[{R}]))", "proposed"),
+                                          (f"sum(rate(tandem:spec_decode_num_accepted_tokens_total{sel('decode')}[{R}]))", "accepted")], "short"),
+    ]),
 ])
 
 K = '{role="kvstore",' + NS + '}'

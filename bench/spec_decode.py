@@ -1,0 +1,236 @@
+"""`tandem bench spec-decode` (also `python -m tandem.bench.spec_decode`):
+decode tokens/s with and without speculative decoding, in one process, on
+an input-grounded workload: answers that quote their prompt (repeat a text,
+put each sentence on its own line, correct its typos, rename a variable in
+code), where prompt lookup and draft models have something to predict.
+
+For each batch size (default 1 and 64) and each setting (no speculation,
+then every --speculative-config given), BATCH requests run together, greedy,
+up to --max-tokens each. Decode tokens/s counts the tokens after each
+request's first over the time from the moment every request has its first
+token to the last one's end, so prefill time is left out; the acceptance
+rate and the tokens per verifying step come from the engine's counters.
+The table says whether the greedy outputs equal those without speculation:
+in fp32 they must; in bf16 a step that verifies k tokens computes in another
+batch shape than one that decodes one, and a near tie may flip a token, as
+any change of batch shape can.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from tandem.engine.config import KV_TRANSFER_FIELDS, EngineArgs
+
+DEFAULT_SPECS = ['{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}']
+
+# Texts the answers quote (written for this benchmark).
+TEXTS = [
+    "The river town woke early. Fishermen pulled their boats onto the gravel, the baker opened his "
+    "shutters, and the ferry sounded its horn twice before leaving for the far bank. By seven the market "
+    "square was full of carts, and the smell of bread and wet rope hung over everything. Children ran "
+    "between the stalls while their parents argued about the price of apples, and an old dog slept in the "
+    "only patch of sun.",
+    "To install the tool, download the archive for your platform and unpack it into a folder on your "
+    "path. Run the command once without arguments to create the configuration file in your home "
+    "directory. Edit that file to set the server address and your user name, then run the command again. "
+    "If the connection fails, check that the port is open and that the clock of your machine is correct.",
+    "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen. It happens in the "
+    "chloroplasts of plant cells, where a green pigment called chlorophyll absorbs mostly red and blue "
+    "light. The sugar feeds the plant and, through it, nearly every animal on land. The oxygen it releases "
+    "over millions of years changed the air of the whole planet and made complex life possible.",
+    "The committee met on Tuesday to review the budget for next year. The treasurer reported that income "
+    "from membership fees had risen slightly, while the cost of renting the hall had doubled. After a long "
+    "discussion the members agreed to look for a cheaper place to meet, to raise the fee for new members "
+    "only, and to publish the accounts on the notice board every month.",
+]
+CODE = ("def average(values):\n    total = 0\n    count = 0\n    for value in values:\n        total += value\n"
+        "        count += 1\n    if count == 0:\n        return 0.0\n    return total / count\n\n\n"
+        "def report(rows):\n    total = sum(row.amount for row in rows)\n    for row in rows:\n"
+        "        share = row.amount / total if total else 0.0\n        print(f\"{row.name}: {share:.1%}\")\n"
+        "    print(f\"total: {total}\")\n")
+
+
+def _typos(text: str) -> str:
+    """Swap two letters in every seventh word: a text to correct."""
+    words = text.split(" ")
+    for i in range(3, len(words), 7):
+        w = words[i]
+        if len(w) > 3 and w.isalpha():
+            words[i] = w[0] + w[2] + w[1] + w[3:]
+    return " ".join(words)
+
+
+def task_prompts(n: int) -> list[str]:
+    """n instructions whose answers quote their input, cycling over four tasks and the texts."""
+    out = []
+    for i in range(n):
+        text = TEXTS[i % len(TEXTS)]
+        task = i % 4
+        if task == 0:
+            out.append(f"Repeat the following text exactly, word for word.\n\n{text}")
+        elif task == 1:
+            out.append(f"Rewrite the following text with every sentence on its own line. Change nothing "
+                       f"else.\n\n{text}")
+        elif task == 2:
+            out.append(f"Correct the spelling mistakes in the following text and write out the whole "
+                       f"corrected text.\n\n{_typos(text)}")
+        else:
+            out.append(f"Rename the variable `total` to `grand_total` in this code and write out the whole "
+                       f"code.\n\n{CODE}")
+    return out
+
+
+@dataclass
+class SpecResult:
+    setting: str
+    batch_size: int
+    output_tokens: int
+    decode_tokens: int
+    seconds: float  # the whole run, prefill included
+    decode_seconds: float
+    draft_tokens: int
+    accepted_tokens: int
+    drafts: int
+    emitted_tokens: int
+    same_as_baseline: Optional[bool]
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.emitted_tokens / self.drafts if self.drafts else 1.0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "spec-decode", help="decode tokens/s with and without speculative decoding",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(handler=run)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch-sizes", default="1,64", help="comma-separated (default 1,64)")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens generated per request at most (default 256)")
+    p.add_argument("--speculative-config", action="append", default=None, metavar="JSON",
+                   help="a setting to compare with no speculation (as the engine flag); repeat for more. "
+                        f"Default: {DEFAULT_SPECS[0]}")
+    p.add_argument("--no-chat-template", action="store_true",
+                   help="send the instructions as plain text instead of through the model's chat template")
+    p.add_argument("--output-json", default=None, help="write the results here")
+    EngineArgs.add_cli_args(p, skip=("speculative_config", "max_num_seqs", *KV_TRANSFER_FIELDS))
+
+
+def _prompts(llm, n: int, chat: bool) -> list[list[int]]:
+    texts = task_prompts(n)
+    if chat and getattr(llm.tokenizer, "chat_template", None):
+        return [llm.chat_prompt([{"role": "user", "content": t}]) for t in texts]
+    return [llm.encode(t) for t in texts]
+
+
+def measure(llm, prompts: list[list[int]], max_tokens: int, setting: str,
+            baseline: Optional[list[list[int]]]) -> tuple[SpecResult, list[list[int]]]:
+    from tandem.engine import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    before = engine.stats()
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    _sync(engine)
+    start = time.perf_counter()
+    for rid, prompt in zip(tokens, prompts):
+        engine.add_request(rid, prompt, params)
+    all_started = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.error is not None:
+                raise out.error
+            tokens[out.request_id] += out.new_token_ids
+        if all_started is None and all(tokens.values()):
+            _sync(engine)
+            all_started = time.perf_counter()
+    _sync(engine)
+    end = time.perf_counter()
+    after = engine.stats()
+    outputs = list(tokens.values())
+    produced = sum(map(len, outputs))
+    result = SpecResult(
+        setting, len(prompts), produced, produced - len(prompts), end - start, end - (all_started or end),
+        after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
+        after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens,
+        after.spec_decode_num_drafts - before.spec_decode_num_drafts,
+        after.spec_decode_num_emitted_tokens - before.spec_decode_num_emitted_tokens,
+        None if baseline is None else outputs == baseline)
+    return result, outputs
+
+
+def _sync(engine) -> None:
+    if engine.runner.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def run(args: argparse.Namespace) -> int:
+    from tandem.engine import LLM, SamplingParams
+
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+    specs = args.speculative_config or DEFAULT_SPECS
+    settings: list[tuple[str, Optional[str]]] = [("none", None)] + [(s, s) for s in specs]
+    results: list[SpecResult] = []
+    baselines: dict[int, list[list[int]]] = {}
+    for name, spec in settings:
+        engine_args = EngineArgs.from_cli_args(args, speculative_config=spec, max_num_seqs=max(batch_sizes))
+        llm = LLM.from_engine_args(engine_args)
+        llm.generate([llm.encode("Warm up: repeat this, repeat this.")],
+                     SamplingParams(temperature=0, max_tokens=8))  # one-time costs out of the timing
+        for batch in batch_sizes:
+            prompts = _prompts(llm, batch, not args.no_chat_template)
+            result, outputs = measure(llm, prompts, args.max_tokens, name, baselines.get(batch))
+            if spec is None:
+                baselines[batch] = outputs
+            results.append(result)
+            print(f"{name} batch {batch}: {result.decode_tokens_per_s:.1f} decode tok/s, acceptance "
+                  f"{result.acceptance_rate:.2f}, {result.tokens_per_step:.2f} tokens/step", file=sys.stderr)
+        del llm
+        gc.collect()
+    print(f"{'setting':<60}{'batch':>6}{'decode tok/s':>14}{'speedup':>9}{'accept':>8}{'tok/step':>9}"
+          f"{'same':>6}")
+    base = {r.batch_size: r.decode_tokens_per_s for r in results if r.setting == "none"}
+    for r in results:
+        speedup = r.decode_tokens_per_s / base[r.batch_size] if base.get(r.batch_size) else 0.0
+        same = "-" if r.same_as_baseline is None else ("yes" if r.same_as_baseline else "NO")
+        print(f"{r.setting[:58]:<60}{r.batch_size:>6}{r.decode_tokens_per_s:>14.1f}{speedup:>8.2f}x"
+              f"{r.acceptance_rate:>8.2f}{r.tokens_per_step:>9.2f}{same:>6}")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "handler"},
+                       "results": [asdict(r) | {"decode_tokens_per_s": r.decode_tokens_per_s,
+                                                "acceptance_rate": r.acceptance_rate,
+                                                "tokens_per_step": r.tokens_per_step} for r in results]},
+                      f, indent=2, default=str)
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tandem.bench.spec_decode",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

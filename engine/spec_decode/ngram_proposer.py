@@ -1,0 +1,97 @@
+"""Prompt lookup (n-gram) proposals: the last n tokens of a sequence, found
+earlier in it (prompt or output), propose the tokens that followed them
+there. An answer that quotes or edits its prompt, or repeats itself, is
+predicted for free: no model runs.
+
+The longest suffix is tried first (prompt_lookup_max down to
+prompt_lookup_min), and of its earlier occurrences the latest: the nearest
+context is the best guess of what comes next. A match close to the end is
+copied on periodically, so a loop ("a b a b") is proposed k tokens ahead.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+if TYPE_CHECKING:
+    from tandem.engine.request import Request
+
+
+def propose_ngram(token_ids: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the
+    longest suffix of token_ids of length in [min_n, max_n]; [] when none occurs.
+    token_ids: a list, or an int64 array (NgramProposer keeps one per request)."""
+    length = len(token_ids)
+    if k <= 0 or length < min_n + 1:
+        return []
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    last = tokens[-1]
+    # Candidates end where the suffix's last token occurs (not at the suffix
+    # itself, and with a token after them): checked at every n from there.
+    ends = np.flatnonzero(tokens[:-1] == last)
+    if ends.size == 0:
+        return []
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        starts = ends[ends >= n - 1] - (n - 1)
+        if starts.size == 0:
+            continue
+        suffix = tokens[length - n:]
+        windows = sliding_window_view(tokens, n)[starts]
+        matches = starts[(windows == suffix).all(axis=1)]
+        if matches.size:
+            return _copy_on(token_ids, int(matches[-1]) + n, k)
+    return []
+
+
+def _copy_on(token_ids: Sequence[int], follow: int, k: int) -> list[int]:
+    """k tokens from position `follow` on; a copy that runs into the end of
+    the sequence goes on with what it copied (as LZ77 copies overlap), so a
+    repeated phrase is proposed k tokens ahead, not only up to the end."""
+    length = len(token_ids)
+    out: list[int] = []
+    for i in range(k):
+        pos = follow + i
+        out.append(int(token_ids[pos]) if pos < length else out[pos - length])
+    return out
+
+
+class NgramProposer:
+    """A Proposer (speculator.py) without KV. Its one state: each request's
+    tokens as an int64 array, grown by the new tokens each step, since
+    converting a long list anew every step costs more than the search."""
+
+    block_bytes = 0
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"prompt lookup needs 1 <= min ({min_n}) <= max ({max_n})")
+        self.min_n = min_n
+        self.max_n = max_n
+        self._tokens: dict[str, tuple["Request", np.ndarray, int]] = {}  # id -> (request, buffer, length)
+
+    def bind(self, num_blocks: int, max_model_len: int, enable_caching: bool) -> None:
+        pass
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self._tokens.pop(request_id, None)
+
+    def propose(self, requests: Sequence["Request"], num_tokens: Sequence[int]) -> list[list[int]]:
+        return [propose_ngram(self._array(r), self.min_n, self.max_n, k) for r, k in zip(requests, num_tokens)]
+
+    def _array(self, request: "Request") -> np.ndarray:
+        tokens = request.all_token_ids
+        entry = self._tokens.get(request.request_id)
+        if entry is None or entry[0] is not request:  # new, or a new request under the same id
+            buffer, length = np.empty(2 * len(tokens) + 64, dtype=np.int64), 0
+        else:
+            _, buffer, length = entry
+        if len(tokens) > len(buffer):
+            grown = np.empty(2 * len(tokens), dtype=np.int64)
+            grown[:length] = buffer[:length]
+            buffer = grown
+        buffer[length:len(tokens)] = tokens[length:]
+        self._tokens[request.request_id] = (request, buffer, len(tokens))
+        return buffer[:len(tokens)]

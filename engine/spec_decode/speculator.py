@@ -1,0 +1,144 @@
+"""The engine's side of speculative decoding: after each step, the requests
+that go on get proposals (request.spec_token_ids) for their next step, which
+the scheduler schedules with them and the rejection sampler verifies.
+
+Which requests speculate: those whose next-token distribution does not
+depend on the tokens before it beyond the model's own input, so that one
+forward can verify k positions at once. Requests with structured outputs
+(the grammar's mask moves with every token), repetition/presence/frequency
+penalties, or min_tokens still holding decode one token per step, as
+without speculation. Logprobs, logit_bias, seeds and every sampling filter
+speculate.
+
+How many tokens: num_speculative_tokens, less where max_tokens or the
+context would cut them anyway.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Iterable, Optional, Protocol, Sequence
+
+from tandem.engine.config import ConfigError, EngineConfig, ModelConfig
+from tandem.engine.loader import ModelInfo
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.spec_decode.config import SpeculativeConfig
+from tandem.engine.spec_decode.ngram_proposer import NgramProposer
+
+log = logging.getLogger(__name__)
+
+
+class Proposer(Protocol):
+    """What proposes draft tokens: NgramProposer, DraftModelProposer."""
+
+    block_bytes: int  # KV bytes it needs beside each of the target's blocks
+
+    def bind(self, num_blocks: int, max_model_len: int, enable_caching: bool) -> None:
+        """The target's cache is sized: take as many blocks of one's own, if any."""
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """These requests left the target's cache (finished, aborted, preempted)."""
+
+    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[list[int]]:
+        """Up to num_tokens[i] tokens to follow requests[i]'s tokens ([]: none)."""
+
+
+def speculates(request: Request) -> bool:
+    """Whether one forward can verify the request's proposals (module docstring)."""
+    p = request.params
+    return (p.structured_outputs is None and p.repetition_penalty == 1.0 and not p.presence_penalty
+            and not p.frequency_penalty and request.num_output_tokens >= p.min_tokens)
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.proposer = proposer
+        self.max_model_len = 2**31 - 1
+
+    @classmethod
+    def create(cls, config: EngineConfig, target: ModelInfo) -> "Speculator":
+        """The speculator config.speculative describes; a draft model's weights
+        are loaded here, its KV cache once the target's size is known (bind)."""
+        spec = config.speculative
+        if spec.method == "ngram":
+            return cls(spec, NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max))
+        return cls(spec, _load_draft(config, target))
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """What the proposer's KV costs per target block (a draft model's block; 0 for n-grams)."""
+        return self.proposer.block_bytes
+
+    def bind(self, num_blocks: int, max_model_len: int, enable_caching: bool) -> None:
+        self.max_model_len = max_model_len
+        self.proposer.bind(num_blocks, max_model_len, enable_caching)
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Requests whose blocks went back (finished, aborted, preempted): their proposer state goes."""
+        if request_ids:
+            self.proposer.forget(request_ids)
+
+    def propose(self, requests: Sequence[Request]) -> None:
+        """Set spec_token_ids of each running request in `requests` that speculates."""
+        chosen: list[Request] = []
+        ks: list[int] = []
+        for request in requests:
+            if request.status is not RequestStatus.RUNNING or not speculates(request):
+                continue
+            # A step emits at most k + 1 tokens, and its k drafts take positions
+            # num_tokens .. num_tokens + k - 1.
+            k = min(self.k, request.params.max_tokens - request.num_output_tokens - 1,
+                    self.max_model_len - request.num_tokens)
+            if k > 0:
+                chosen.append(request)
+                ks.append(k)
+        if not chosen:
+            return
+        for request, drafts in zip(chosen, self.proposer.propose(chosen, ks)):
+            if drafts:
+                request.spec_token_ids = drafts
+
+
+def _load_draft(config: EngineConfig, target: ModelInfo):
+    """The draft model's runner and proposer, with its weights loaded and its
+    cache not yet bound. Its tokenizer must be the target's: proposals are ids."""
+    from tandem.engine.hub import HubSource
+    from tandem.engine.loader import ModelNotFoundError, load_model_info
+    from tandem.engine.model_runner import ModelRunner
+    from tandem.engine.spec_decode.draft_proposer import DraftModelProposer
+
+    spec, mc = config.speculative, config.model
+    try:
+        info = load_model_info(spec.model, mc.load_format, None, None, None, HubSource(None, mc.download_dir))
+    except ModelNotFoundError as exc:
+        raise ConfigError(f"--speculative-config: the draft model: {exc}") from None
+    _check_same_vocabulary(spec.model, info, mc.model, target)
+    # Its own copy of the settings: the target's device, dtype and scheduler
+    # limits; no KV transfer or host tier (its KV never leaves the process);
+    # two blocks until bind() gives it the target's number.
+    draft_config = dataclasses.replace(
+        config, model=dataclasses.replace(ModelConfig(), model=spec.model, load_format=mc.load_format,
+                                          dtype=mc.dtype, seed=mc.seed, download_dir=mc.download_dir),
+        cache=dataclasses.replace(config.cache, num_blocks=2, swap_space_gib=0.0),
+        kv_transfer=None, speculative=None)
+    runner = ModelRunner(draft_config, info)
+    log.info("draft model %s loaded for speculative decoding (%d tokens per step)", info.model_id,
+             spec.num_speculative_tokens)
+    return DraftModelProposer(runner, min(info.hf_config.vocab_size, target.hf_config.vocab_size),
+                              info.max_model_len, config.scheduler.max_num_batched_tokens)
+
+
+def _check_same_vocabulary(draft_name: str, draft: ModelInfo, target_name: str, target: ModelInfo) -> None:
+    problem: Optional[str] = None
+    if draft.tokenizer is not None and target.tokenizer is not None:
+        if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+            problem = "its tokenizer's vocabulary differs from the served model's"
+    elif draft.hf_config.vocab_size != target.hf_config.vocab_size:
+        problem = (f"its vocabulary has {draft.hf_config.vocab_size} tokens, the served model's "
+                   f"{target.hf_config.vocab_size}")
+    if problem is not None:
+        raise ConfigError(f"--speculative-config: the draft model {draft_name!r} cannot draft for "
+                          f"{target_name!r}: {problem}; use a draft of the same tokenizer (e.g. a smaller "
+                          "model of the same family)")

@@ -1,0 +1,170 @@
+"""Speculative decoding on the embedded SmolLM2 (CPU, fp32): greedy output is
+token for token the output without it, for a batch of mixed lengths with a
+stop string, EOS, max_tokens, logprobs and a grammar in it, whether the
+proposals come from prompt lookup, from SmolLM2 drafting for itself (which
+must accept nearly everything) or from a random-weight draft of SmolLM2's
+vocabulary (which must accept almost nothing). The KV of rejected tokens
+never leaks: a next turn that reuses, through the prefix cache, blocks filled
+while most drafts were rejected answers as a fresh engine does."""
+from __future__ import annotations
+
+import pytest
+
+from tandem.engine import LLM, SamplingParams, StructuredOutputs
+from tests.support.hf_oracle import tiny_model_dir
+
+MAX_TOKENS = 24
+TEXT = ("The history of the printing press begins in the fifteenth century, when movable type changed "
+        "how knowledge moved across Europe. Before it, books were copied by hand, slowly and at great "
+        "cost. Scholars, merchants and clergy all felt the change within a generation. ")
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+
+@pytest.fixture(scope="module")
+def base():
+    return LLM()
+
+
+@pytest.fixture(scope="module")
+def workload(base):
+    """Prompts of mixed lengths (4 to 150 tokens) and what the engine without
+    speculation answers; one answer ends at a stop string taken from its middle."""
+    tok = base.tokenizer
+    prompts = [
+        tok(f"Repeat this text exactly.\nText: {TEXT}\nRepeated text: The history")["input_ids"],
+        tok("Once upon a time")["input_ids"],
+        tok(TEXT * 3)["input_ids"][:150],
+        base.chat_prompt([{"role": "user", "content": "What is the capital of France?"}]),
+        tok("Count: one, two, three, four,")["input_ids"],
+        tok("Name three colors:")["input_ids"],
+    ]
+    params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True) for _ in prompts]
+    params[1] = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
+    params[3] = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)  # ends with EOS
+    params[5] = SamplingParams(temperature=0, max_tokens=8,
+                               structured_outputs=StructuredOutputs(choice=["red, green, blue", "none"]))
+    refs = base.generate(prompts, params)
+    # A stop string from the middle of the copied answer: it lands inside an accepted run.
+    copied = refs[0].outputs[0].text
+    stop = copied[len(copied) // 2:len(copied) // 2 + 6]
+    params[0] = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop=[stop], ignore_eos=True)
+    refs[0] = base.generate([prompts[0]], params[0])[0]
+    assert refs[0].outputs[0].finish_reason == "stop" and refs[3].outputs[0].finish_reason == "stop"
+    return prompts, params, refs
+
+
+def assert_same_output(outputs, refs) -> None:
+    for out, ref in zip(outputs, refs):
+        ours, theirs = out.outputs[0], ref.outputs[0]
+        assert ours.token_ids == theirs.token_ids
+        assert (ours.text, ours.finish_reason, ours.stop_reason) == (theirs.text, theirs.finish_reason,
+                                                                     theirs.stop_reason)
+        assert [lp.token_id for lp in ours.logprobs] == [lp.token_id for lp in theirs.logprobs]
+        assert [lp.logprob for lp in ours.logprobs] == pytest.approx([lp.logprob for lp in theirs.logprobs],
+                                                                     abs=1e-4)
+
+
+def spec_counters(llm: LLM) -> tuple[int, int, int, int]:
+    s = llm.engine.stats()
+    return (s.spec_decode_num_drafts, s.spec_decode_num_draft_tokens, s.spec_decode_num_accepted_tokens,
+            s.spec_decode_num_emitted_tokens)
+
+
+def assert_all_blocks_back(llm: LLM) -> None:
+    engine = llm.engine
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_usable_blocks
+    proposer = engine.speculator.proposer
+    if hasattr(proposer, "kv"):
+        assert proposer.num_states == 0
+        assert proposer.kv.pool.num_free_blocks == proposer.kv.pool.num_usable_blocks
+
+
+@pytest.fixture(scope="module")
+def ngram():
+    # 17 usable blocks: the workload's first three requests take 16 to start and need more as they decode.
+    return LLM(speculative_config=NGRAM, num_blocks=18)
+
+
+def test_prompt_lookup_gives_the_same_output_through_preemption(workload, ngram):
+    prompts, params, refs = workload
+    llm = ngram
+    outputs = llm.generate(prompts, params)
+    assert_same_output(outputs, refs)
+    assert llm.engine.stats().num_preemptions > 0
+    drafts, draft_tokens, accepted, emitted = spec_counters(llm)
+    assert accepted > 10, "the copied text is proposed and accepted"
+    assert emitted > drafts, "steps with proposals emit more than one token on average"
+    assert_all_blocks_back(llm)
+
+
+def test_sampled_requests_speculate_too(workload, ngram):
+    prompts, _, _ = workload
+    llm = ngram
+    before = spec_counters(llm)
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=16, ignore_eos=True)
+    outputs = llm.generate(prompts[:2], params)
+    assert all(len(o.outputs[0].token_ids) == 16 for o in outputs)
+    assert spec_counters(llm)[1] > before[1]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts[:2], params)] == \
+        [o.outputs[0].token_ids for o in outputs], "a seed makes the output reproducible"
+
+
+def test_smollm2_drafting_for_itself_accepts_nearly_everything(workload):
+    prompts, params, refs = workload
+    llm = LLM(speculative_config={"method": "draft_model", "model": "smollm2", "num_speculative_tokens": 4})
+    outputs = llm.generate(prompts, params)
+    assert_same_output(outputs, refs)
+    drafts, draft_tokens, accepted, emitted = spec_counters(llm)
+    assert accepted >= 0.9 * draft_tokens > 0
+    assert emitted < accepted + drafts, "the stop string cut an accepted run"
+    assert_all_blocks_back(llm)
+
+
+@pytest.fixture(scope="module")
+def random_draft(tmp_path_factory):
+    path, _ = tiny_model_dir(tmp_path_factory.mktemp("draft"), "llama", vocab_size=49152)
+    return LLM(speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 3})
+
+
+def test_a_random_draft_accepts_little_and_changes_nothing(workload, random_draft):
+    prompts, params, refs = workload
+    before = spec_counters(random_draft)
+    outputs = random_draft.generate(prompts, params)
+    assert_same_output(outputs, refs)
+    drafts, draft_tokens, accepted, _ = (a - b for a, b in zip(spec_counters(random_draft), before))
+    assert draft_tokens > 100 and accepted < 0.1 * draft_tokens
+    assert_all_blocks_back(random_draft)
+
+
+def test_blocks_filled_among_rejected_drafts_serve_a_next_turn_unchanged(base, workload, random_draft):
+    """A next turn hits, through the prefix cache, the blocks the random draft's
+    request filled while nearly all its drafts were rejected: had a block kept
+    a rejected token's KV, or been named for one, this answer would differ."""
+    prompts, _, _ = workload
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    first = random_draft.generate([prompts[2]], greedy)[0].outputs[0].token_ids
+    follow_up = prompts[2] + first + base.tokenizer(" In short,")["input_ids"]
+    ours = random_draft.generate([follow_up], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    want = base.generate([follow_up], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    assert ours.num_cached_tokens >= (len(prompts[2]) + 32) // 16 * 16, "blocks filled by decoding were reused"
+    assert ours.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_an_abort_mid_speculation_gives_every_block_back(workload, random_draft):
+    prompts, _, _ = workload
+    engine = random_draft.engine
+    engine.add_request("gone", prompts[0], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    assert engine.speculator.proposer.num_states == 1
+    engine.abort("gone")
+    assert not engine.has_unfinished()
+    assert_all_blocks_back(random_draft)
+
+
+def test_a_draft_of_another_vocabulary_is_refused_before_the_model_loads(tmp_path):
+    from tandem.engine import ConfigError
+
+    path, _ = tiny_model_dir(tmp_path, "llama")  # 512 tokens
+    with pytest.raises(ConfigError, match="--speculative-config: the draft model .* its vocabulary has 512"):
+        LLM(speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 2})
