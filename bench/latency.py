@@ -14,7 +14,11 @@ text to make.
 
 The floor of a decode step is (weight bytes + KV bytes read) / copy bandwidth:
 every weight and every cached K/V byte of the batch is read once per step.
-The copy bandwidth is measured in the same run (bytes read + written).
+The copy bandwidth is measured in the same run (bytes read + written). In a
+mixture-of-experts model a step reads only the experts its tokens are routed
+to: the floor counts each layer's experts at the share a batch of B tokens
+touches when each picks top_k of E at random, 1 - (1 - top_k/E)^B (top_k/E at
+batch 1: the active parameters); dummy weights route about so.
 """
 from __future__ import annotations
 
@@ -96,6 +100,19 @@ def build_llm(args: argparse.Namespace, max_num_seqs: int, folder: str):
     return LLM.from_engine_args(with_preset(engine_args, args.preset))
 
 
+def weight_split(model) -> tuple[int, int, int, int]:
+    """(all weight bytes, of which experts' bytes, top_k, experts per layer);
+    no experts: (bytes, 0, 0, 0)."""
+    from tandem.engine.models.moe import SparseMoeBlock
+
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    if not blocks:
+        return total, 0, 0, 0
+    experts = sum(p.numel() * p.element_size() for b in blocks for p in b.experts.parameters())
+    return total, experts, blocks[0].moe.top_k, blocks[0].moe.num_experts
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -108,11 +125,13 @@ def run(args: argparse.Namespace) -> int:
     runner = engine.runner
     device = runner.device
     bw = copy_bandwidth(device)
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    weight_bytes, expert_bytes, top_k, num_experts = weight_split(runner.model)
     kv_bytes_per_token = runner.layout.block_bytes // runner.block_size
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows = []
-    print(f"copy bandwidth {bw / 1e12:.3f} TB/s; weights {weight_bytes / 2**30:.2f} GiB; "
+    experts = (f" (experts {expert_bytes / 2**30:.2f} GiB, {top_k} of {num_experts} a token)"
+               if num_experts else "")
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s; weights {weight_bytes / 2**30:.2f} GiB{experts}; "
           f"KV {kv_bytes_per_token / 1024:.0f} KiB/token; tokenizer: "
           f"{'yes' if engine.tokenizer is not None else 'none (no detokenizing)'}", file=sys.stderr)
     for batch in batches:
@@ -134,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
             phases.append(dataclasses.replace(engine.step_times))
         # KV read per step: the batch's cached tokens at the middle of the timed steps
         kv_tokens = sum(lengths) + batch * (2 + args.steps // 2)
-        floor = (weight_bytes + kv_tokens * kv_bytes_per_token) / bw
+        touched = expert_bytes * (1 - (1 - top_k / num_experts) ** batch) if num_experts else 0
+        floor = (weight_bytes - expert_bytes + touched + kv_tokens * kv_bytes_per_token) / bw
         step = statistics.median(step_times)
         host_times = [p.host for p in phases]
         rows.append({"batch": batch, "context": kv_tokens / batch, "step_ms": step * 1e3,
@@ -155,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                       "copy_bandwidth_Bps": bw, "weight_bytes": weight_bytes, "cuda_graphs": runner.graphs is not None,
+                       "copy_bandwidth_Bps": bw, "weight_bytes": weight_bytes, "expert_bytes": expert_bytes, "cuda_graphs": runner.graphs is not None,
                        "tokenizer": engine.tokenizer is not None, "rows": rows}, f, indent=2)
     return 0
 
