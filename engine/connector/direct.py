@@ -27,20 +27,19 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Mapping, Optional
 
 import numpy as np
 import torch
 
-from tandem.engine.connector.base import ConnectorMeta, KVCacheLayout, KVConnector
+from tandem.engine.connector.base import KVCacheLayout
+from tandem.engine.connector.pull import PullConnector, PullMeta
 from tandem.engine.connector.shared_cache import ExportedKVCache, KVExport, OpenedKVCache, open_export
-from tandem.engine.request import RequestStatus
 
 log = logging.getLogger(__name__)
 
 HANDLE_KEY = "direct"  # the handle's key in Request.kv_transfer_params
-UNREACHABLE_KEY = "direct_unreachable"  # set there once a handle could not be opened (counted once)
 SOURCE_IDLE_S = 120.0  # a prefill's mapped cache unused this long is unmapped
 
 
@@ -54,31 +53,14 @@ class DirectHandle:
     generations: list[int]  # generations[i] of block_ids[i] when the prefill finished
 
 
-@dataclass
-class DirectLoad:
-    """Copy blocks `src` of a prefill's mapped cache into this engine's blocks `dst`."""
+class DirectConnector(PullConnector):
+    handle_key = HANDLE_KEY
 
-    request_id: str
-    source: OpenedKVCache  # held here, so unmapping an idle source never breaks a planned copy
-    src: list[int]
-    dst: list[int]
-    expected: list[int] = field(default_factory=list)  # the generations of `src` in the handle
-
-
-@dataclass
-class DirectMeta(ConnectorMeta):
-    loads: list[DirectLoad] = field(default_factory=list)
-
-
-class DirectConnector(KVConnector):
     def __init__(self, role: str, layout: KVCacheLayout) -> None:
         super().__init__(role, layout)
-        self.block_size = layout.block_size
         self._opened: dict[str, Optional[OpenedKVCache]] = {}  # export name -> mapping (None: unreachable)
         self._last_used: dict[str, float] = {}
-        self._admitted: list[DirectLoad] = []  # loads of the schedule() under way
         self._shared: Optional[ExportedKVCache] = None  # a producer's cache
-        self._holds_per_block: Optional[np.ndarray] = None
 
     # ---- producer: the shared cache, handles and generations -------------
     def allocate_kv_cache(self) -> Optional[torch.Tensor]:
@@ -86,35 +68,17 @@ class DirectConnector(KVConnector):
             return None
         layout = self.layout
         self._shared = ExportedKVCache(layout.shape, layout.dtype, layout.device)
-        self._holds_per_block = np.zeros(layout.num_blocks, dtype=np.int64)
         return self._shared.tensor
 
-    def request_finished(self, request, block_ids: list[int]) -> tuple[int, dict]:
-        # Only a prompt that finished normally is handed on (not an abort or an error).
-        if not self.produces or request.status not in (RequestStatus.FINISHED_STOPPED,
-                                                       RequestStatus.FINISHED_LENGTH):
-            return 0, {}
-        ids = list(block_ids[: request.num_prompt_tokens // self.block_size])
-        if not ids:
-            return 0, {}
-        self._holds_per_block[ids] += 1
+    def _handle(self, block_ids: list[int]) -> DirectHandle:
         gens = self._shared.generations
-        handle = DirectHandle(self._shared.export, self.layout.model_key, ids, [int(gens[i]) for i in ids])
-        return len(ids), {HANDLE_KEY: handle}
+        return DirectHandle(self._shared.export, self.layout.model_key, block_ids, [int(gens[i]) for i in block_ids])
 
-    def hold_released(self, request_id: str, params: dict) -> None:
-        handle: Optional[DirectHandle] = params.get(HANDLE_KEY)
-        if handle is None:
-            return
-        ids = np.asarray(handle.block_ids, dtype=np.int64)
-        self._holds_per_block[ids] -= 1
-        # No hold is left on these: the pool may hand them out now, and a copy
-        # still to come must see that.
-        free = ids[self._holds_per_block[ids] == 0]
-        self._shared.generations[free] += 1
+    def _bump_generations(self, block_ids: np.ndarray) -> None:
+        self._shared.generations[block_ids] += 1
 
     # ---- consumer: copies -----------------------------------------------
-    def _source(self, handle: DirectHandle) -> Optional[OpenedKVCache]:
+    def _reachable(self, handle: DirectHandle) -> Optional[OpenedKVCache]:
         name = handle.export.generations_shm
         self._last_used[name] = time.monotonic()
         if name not in self._opened:
@@ -127,29 +91,6 @@ class DirectConnector(KVConnector):
                 self._opened[name] = None
         return self._opened[name]
 
-    def get_num_new_matched_tokens(self, request, num_local_hit_tokens: int) -> int:
-        handle: Optional[DirectHandle] = request.kv_transfer_params.get(HANDLE_KEY)
-        if handle is None or not self.consumes:
-            return 0
-        if self._source(handle) is None:
-            if not request.kv_transfer_params.get(UNREACHABLE_KEY):
-                request.kv_transfer_params[UNREACHABLE_KEY] = True
-                self.stats.load_failures += 1
-            return 0
-        last = min(len(handle.block_ids), (request.num_tokens - 1) // self.block_size)
-        first = num_local_hit_tokens // self.block_size
-        return max(0, last - first) * self.block_size
-
-    def update_state_after_alloc(self, request, block_ids, num_local_hit_tokens, num_external_tokens) -> None:
-        if num_external_tokens <= 0:
-            return
-        handle: DirectHandle = request.kv_transfer_params[HANDLE_KEY]
-        first = num_local_hit_tokens // self.block_size
-        last = first + num_external_tokens // self.block_size
-        self._admitted.append(DirectLoad(
-            request.request_id, self._source(handle), handle.block_ids[first:last],
-            list(block_ids[first:last]), handle.generations[first:last]))
-
     def _close_idle_sources(self) -> None:
         # A prefill that restarted exports a new cache under a new name; the old
         # mapping would keep the dead process's memory (GPU memory, with CUDA
@@ -159,13 +100,11 @@ class DirectConnector(KVConnector):
             self._opened.pop(name, None)
             self._last_used.pop(name, None)
 
-    def build_meta(self, plan, requests: Mapping) -> DirectMeta:
+    def build_meta(self, plan, requests: Mapping) -> PullMeta:
         self._close_idle_sources()
-        meta = DirectMeta(loads=self._admitted)
-        self._admitted = []
-        return meta
+        return super().build_meta(plan, requests)
 
-    def start_load(self, meta: DirectMeta) -> set[str]:
+    def start_load(self, meta: PullMeta) -> set[str]:
         if not meta.loads:
             return set()
         started = time.monotonic()

@@ -27,19 +27,18 @@ import logging
 import os
 import secrets
 import time
-from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
-from tandem.engine.connector.base import ConnectorMeta, KVCacheLayout, KVConnector
-from tandem.engine.request import RequestStatus
+from tandem.engine.connector.base import KVCacheLayout
+from tandem.engine.connector.pull import PullConnector, PullMeta
 
 log = logging.getLogger(__name__)
 
 HANDLE_KEY = "nixl"  # the handle's key in Request.kv_transfer_params
-UNREACHABLE_KEY = "nixl_unreachable"  # set there once a handle could not be used (counted once)
 TRANSFER_TIMEOUT_S = 30.0
 
 
@@ -71,34 +70,19 @@ class NixlHandle:
     generations: list[int]  # generations[i] of block_ids[i] when the prefill finished
 
 
-@dataclass
-class NixlLoad:
-    request_id: str
-    handle: NixlHandle
-    src: list[int]
-    dst: list[int]
-    expected: list[int] = field(default_factory=list)
+class NixlConnector(PullConnector):
+    handle_key = HANDLE_KEY
 
-
-@dataclass
-class NixlMeta(ConnectorMeta):
-    loads: list[NixlLoad] = field(default_factory=list)
-
-
-class NixlConnector(KVConnector):
     def __init__(self, role: str, layout: KVCacheLayout) -> None:
         super().__init__(role, layout)
         api = nixl_api()
         self.agent_name = f"tandem-{os.getpid()}-{secrets.token_hex(4)}"
         self.agent = api.nixl_agent(self.agent_name, api.nixl_agent_config(backends=["UCX"]))
-        self.block_size = layout.block_size
-        # Producer: one counter per block, and how many holds cover each block.
+        # Producer: one counter per block (where readers can reach it through NIXL).
         self._generations = torch.zeros(layout.num_blocks, dtype=torch.int64)
-        self._holds_per_block = np.zeros(layout.num_blocks, dtype=np.int64)
         # Consumer: the generations read back after a copy (one slot per block of this cache).
         self._read_back = torch.zeros(layout.num_blocks, dtype=torch.int64)
         self._remotes: dict[str, bool] = {}  # producer agent -> reachable
-        self._admitted: list[NixlLoad] = []
         self._metadata = b""
         self._regs: list = []
 
@@ -112,37 +96,20 @@ class NixlConnector(KVConnector):
         # After registering: the metadata carries the registered memory.
         self._metadata = self.agent.get_agent_metadata()
 
-    # ---- producer: holds and handles ---------------------------------------
-    def request_finished(self, request, block_ids: list[int]) -> tuple[int, dict]:
-        # Only a prompt that finished normally is handed on (not an abort or an error).
-        if not self.produces or request.status not in (RequestStatus.FINISHED_STOPPED,
-                                                       RequestStatus.FINISHED_LENGTH):
-            return 0, {}
-        ids = list(block_ids[: request.num_prompt_tokens // self.block_size])
-        if not ids:
-            return 0, {}
-        self._holds_per_block[ids] += 1
+    # ---- producer: handles and generations ---------------------------------
+    def _handle(self, block_ids: list[int]) -> NixlHandle:
         layout = self.layout
-        handle = NixlHandle(
+        return NixlHandle(
             agent=self.agent_name, metadata=self._metadata, model=layout.model_key, shape=layout.shape,
             dtype=layout.dtype_name, mem_type=self._mem_type, device=self._device,
             cache_address=self.kv_cache.data_ptr(), generations_address=self._generations.data_ptr(),
-            block_ids=ids, generations=self._generations[ids].tolist())
-        return len(ids), {HANDLE_KEY: handle}
+            block_ids=block_ids, generations=self._generations[block_ids].tolist())
 
-    def hold_released(self, request_id: str, params: dict) -> None:
-        handle: Optional[NixlHandle] = params.get(HANDLE_KEY)
-        if handle is None:
-            return
-        ids = np.asarray(handle.block_ids, dtype=np.int64)
-        self._holds_per_block[ids] -= 1
-        # No hold is left on these: the pool may hand them out now, and a read
-        # still to come must see that.
-        free = ids[self._holds_per_block[ids] == 0]
-        self._generations[torch.from_numpy(free)] += 1
+    def _bump_generations(self, block_ids: np.ndarray) -> None:
+        self._generations[torch.from_numpy(block_ids)] += 1
 
     # ---- consumer: reads -----------------------------------------------------
-    def _usable(self, handle: NixlHandle) -> bool:
+    def _reachable(self, handle: NixlHandle) -> Optional[NixlHandle]:
         if handle.agent not in self._remotes:
             try:
                 self.layout.check_peer(handle.model, handle.shape, handle.dtype)
@@ -152,34 +119,7 @@ class NixlConnector(KVConnector):
                 log.warning("cannot read the prefill's KV cache through NIXL (agent %s), computing prompts "
                             "from it here: %s", handle.agent, exc)
                 self._remotes[handle.agent] = False
-        return self._remotes[handle.agent]
-
-    def get_num_new_matched_tokens(self, request, num_local_hit_tokens: int) -> int:
-        handle: Optional[NixlHandle] = request.kv_transfer_params.get(HANDLE_KEY)
-        if handle is None or not self.consumes:
-            return 0
-        if not self._usable(handle):
-            if not request.kv_transfer_params.get(UNREACHABLE_KEY):
-                request.kv_transfer_params[UNREACHABLE_KEY] = True
-                self.stats.load_failures += 1
-            return 0
-        last = min(len(handle.block_ids), (request.num_tokens - 1) // self.block_size)
-        first = num_local_hit_tokens // self.block_size
-        return max(0, last - first) * self.block_size
-
-    def update_state_after_alloc(self, request, block_ids, num_local_hit_tokens, num_external_tokens) -> None:
-        if num_external_tokens <= 0:
-            return
-        handle: NixlHandle = request.kv_transfer_params[HANDLE_KEY]
-        first = num_local_hit_tokens // self.block_size
-        last = first + num_external_tokens // self.block_size
-        self._admitted.append(NixlLoad(request.request_id, handle, handle.block_ids[first:last],
-                                       list(block_ids[first:last]), handle.generations[first:last]))
-
-    def build_meta(self, plan, requests: Mapping) -> NixlMeta:
-        meta = NixlMeta(loads=self._admitted)
-        self._admitted = []
-        return meta
+        return handle if self._remotes[handle.agent] else None
 
     def _block_descs(self, base: int, num_blocks: int, ids: list[int], device: int) -> np.ndarray:
         """(address, length, device) of each block's K and V in every layer: [len(ids) * layers * 2, 3]."""
@@ -212,7 +152,7 @@ class NixlConnector(KVConnector):
         finally:
             self.agent.release_xfer_handle(xfer)
 
-    def start_load(self, meta: NixlMeta) -> set[str]:
+    def start_load(self, meta: PullMeta) -> set[str]:
         if not meta.loads:
             return set()
         started = time.monotonic()
