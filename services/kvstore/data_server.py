@@ -398,7 +398,11 @@ def _batches(lengths: list[int], max_bytes: int) -> list[tuple[int, int]]:
 
 class _Server(socketserver.ThreadingTCPServer):
     daemon_threads = True
-    allow_reuse_address = False  # a taken port is an error at start, as for gRPC
+    # SO_REUSEADDR, as gRPC's own port has: a store restarted after a crash
+    # binds again although its engines' connections to the old one linger in
+    # TIME_WAIT. On Linux it never lets two stores listen on one port: a port
+    # another process listens on is still an error at start.
+    allow_reuse_address = True
 
     def __init__(self, address, backend: Backend, metrics, ssl_context) -> None:
         # metrics: on_put(stored, bytes) and on_get(hits, misses, bytes), as server.StoreMetrics has
