@@ -192,7 +192,8 @@ class EngineArgs:
         0.0, "GiB of host memory (pinned on CUDA) for a KV tier below the device cache: a request "
         "preempted for lack of KV blocks is swapped out there and swapped back in instead of "
         "recomputed, and prefix-cache blocks the device evicts stay findable there by hash; 0: no "
-        "tier, preemption recomputes. Not with --kv-transfer", group=_CACHE, metavar="GIB")
+        "tier, preemption recomputes. With --kv-transfer the tiers go device, host, then the "
+        "connector's (the store, a prefill)", group=_CACHE, metavar="GIB")
 
     # --- scheduler
     max_num_batched_tokens: Optional[int] = flag_field(
@@ -357,11 +358,6 @@ class EngineArgs:
                               "--kv-transfer store, or drop --kv-store")
         if self.swap_space < 0:
             raise ConfigError(f"--swap-space: GiB of host memory, 0 (off) or more; got {self.swap_space}")
-        if self.swap_space > 0 and self.kv_transfer not in ("none", None):
-            raise ConfigError(f"--swap-space and --kv-transfer {self.kv_transfer} do not work together "
-                              "yet: the host tier's swap-ins would be a third source of a request's KV "
-                              "that the connector does not know of; use one of them (the KV store is "
-                              "itself a tier for evicted prefixes)")
         if self.attention_backend == "triton" and self.device == "cpu":
             raise ConfigError("--attention-backend triton needs CUDA, and --device is cpu: use "
                               "--attention-backend auto or torch")

@@ -136,9 +136,6 @@ class LLMEngine:
             self.speculator.bind(layout.num_blocks, self.max_model_len, config.cache.enable_prefix_caching)
         self.swapper: Optional[KVSwapper] = None
         if self.runner.num_host_slots:
-            if self.connector is not None:
-                raise ValueError("swap_space and a KV connector do not work together yet: the "
-                                 "connector does not know of KV swapped in from the host tier")
             self.swapper = KVSwapper(HostKVTier(self.runner.num_host_slots), self.kv)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.connector, self.max_model_len,
                                    config.kv_hold_timeout_s, self.swapper)

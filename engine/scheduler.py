@@ -278,7 +278,10 @@ class Scheduler:
         num_host = host.num_tokens if host is not None else 0  # swapped in, into fresh blocks
         num_external = 0
         if self.connector is not None:
-            num_external = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
+            # The tiers in order: the device's prefix cache, the host tier, then
+            # what lies outside (the store, a prefill): the connector supplies
+            # only blocks past the first two.
+            num_external = self.connector.get_num_new_matched_tokens(request, num_hit_tokens + num_host)
         num_new = self._chunk(request.num_tokens - num_hit_tokens - num_host - num_external, budget)
         if num_new <= 0:
             return 0

@@ -156,6 +156,11 @@ class NixlConnector(PullConnector):
         if not meta.loads:
             return set()
         started = time.monotonic()
+        if self.kv_cache.is_cuda:
+            # NIXL's reads are not ordered by the CUDA stream: this step's
+            # host-tier swap-outs, queued on it, must have read blocks a load
+            # now overwrites.
+            torch.cuda.current_stream(self.kv_cache.device).synchronize()
         failed: set[str] = set()
         own = self.layout
         for load in meta.loads:

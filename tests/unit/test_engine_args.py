@@ -188,9 +188,8 @@ def test_the_engine_sets_the_process_kernels_from_its_config():
         ops.set_attention_backend("auto", "cpu")
 
 
-def test_swap_space_is_checked_and_refused_with_a_kv_transfer():
+def test_swap_space_is_checked_and_goes_with_a_kv_transfer():
     assert EngineArgs(swap_space=0.5).create_engine_config().cache.swap_space_gib == 0.5
     with pytest.raises(ConfigError, match="--swap-space"):
         EngineArgs(swap_space=-1.0).create_engine_config()
-    with pytest.raises(ConfigError, match="--swap-space and --kv-transfer direct"):
-        EngineArgs(swap_space=1.0, kv_transfer="direct").create_engine_config()
+    assert EngineArgs(swap_space=1.0, kv_transfer="direct").create_engine_config().cache.swap_space_gib == 1.0

@@ -11,6 +11,8 @@ import random
 import pytest
 
 from tandem.engine import LLM, SamplingParams
+from tandem.services.kvstore.block_client import BlockStoreClient
+from tests.support.kvstore_process import start_store
 from tests.support.hf_oracle import check_against_oracle, embedded_hf_model, hf_greedy, run_greedy, tiny_model_dir
 
 MAX_NEW = 12
@@ -123,6 +125,54 @@ def test_smollm2_evicted_prefix_is_restored_from_the_host_tier(smol):
     assert cached[0.0] == 0, "without the tier the device cache has lost the prefix"
     assert cached[100 * SMOL_BLOCK_GIB] == full_blocks * 16, "with it the prefix is swapped in, not computed"
     assert stats.kv_host_offloaded_blocks >= full_blocks and stats.kv_host_hit_blocks == full_blocks
+
+
+@pytest.fixture(scope="module")
+def kv_store():
+    store = start_store("--backend", "memory", "--capacity", "256MiB")
+    yield store
+    store.stop()
+
+
+def store_backed(store, **kwargs) -> LLM:
+    """SmolLM2 whose connector saves to and loads from a real KV store process."""
+    return LLM("smollm2", kv_transfer="store", kv_role="both",
+               kv_store=BlockStoreClient(store.target, timeout_s=10.0), **kwargs)
+
+
+def test_smollm2_preemption_swaps_to_the_host_tier_beside_the_kv_store(smol, kv_store):
+    llm = store_backed(kv_store, num_blocks=41, swap_space=200 * SMOL_BLOCK_GIB)
+    outputs = run_engine(llm, smol["prompts"])
+    check_against_oracle(outputs, smol["refs"], exact=True)
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0 and stats.kv_swapped_out_blocks > 0 and stats.kv_swapped_in_blocks > 0
+    assert stats.kv_save_blocks > 0 and stats.recompute_fallbacks == 0
+    assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.pool.num_usable_blocks
+    llm.engine.shutdown()
+
+
+def test_smollm2_tiers_go_device_then_host_then_the_kv_store(smol, kv_store):
+    tok = smol["tokenizer"]
+    prefix = tok("Tiers. " + TEXT)["input_ids"][:100]  # not a prefix any earlier test stored
+    full_blocks = len(prefix) // 16
+    first, second = prefix + tok(" Who built it?")["input_ids"], prefix + tok(" Name one city.")["input_ids"]
+    refs = [hf_greedy(smol["hf"], p, 8, eos_token_id=None) for p in (first, second)]
+    filler = tok(TEXT * 8)["input_ids"][50:680]  # takes every device block: the prefix leaves the device
+    # An engine with a host tier: the evicted prefix comes back from the host, not the store.
+    tiered = store_backed(kv_store, num_blocks=41, swap_space=100 * SMOL_BLOCK_GIB)
+    outputs = run_engine(tiered, [first], 8) + run_engine(tiered, [filler], 1) + run_engine(tiered, [second], 8)
+    check_against_oracle([outputs[0], outputs[2]], refs, exact=True)
+    stats = tiered.engine.stats()
+    assert outputs[2].num_cached_tokens == full_blocks * 16 and stats.kv_host_hit_blocks == full_blocks
+    assert stats.prompt_tokens_external == 0, "the store must not supply what the host tier restored"
+    tiered.engine.shutdown()
+    # A fresh engine (empty device and host): the same prefix comes from the store.
+    fresh = store_backed(kv_store, num_blocks=41, swap_space=100 * SMOL_BLOCK_GIB)
+    again = run_engine(fresh, [second], 8)
+    check_against_oracle(again, refs[1:], exact=True)
+    stats = fresh.engine.stats()
+    assert stats.prompt_tokens_external == full_blocks * 16 and stats.kv_host_hit_blocks == 0
+    fresh.engine.shutdown()
 
 
 def test_smollm2_shared_prefix_hits_cache_and_matches_hf(smol):
