@@ -82,6 +82,9 @@ class MemoryBackend:
         slab = min(SLAB_BYTES, max(capacity_bytes // 16, 1 << 20))
         self._slabs = ValueSlabs(max_bytes=capacity_bytes + 4 * slab, slab_bytes=slab,
                                  ahead_bytes=min(AHEAD_BYTES, capacity_bytes // 8))
+        # Slots of values dropped while a reader still had them: back to the
+        # slabs once it lets go (looked at by take_buffer).
+        self._pending: list[memoryview] = []
         self._bytes = 0
         self._hits = 0
         self._misses = 0
@@ -119,14 +122,31 @@ class MemoryBackend:
 
     def take_buffer(self, size: int):
         """A buffer of `size` bytes to receive a value into (then given to put)."""
+        if self._pending:
+            self._reclaim()
         return self._slabs.take(size)
 
     def _keep_spare(self, value) -> None:
         # A slot is reused only when nothing else refers to it: a GET still
         # sending the old value holds a reference, and its bytes must not change
         # under it. sys.getrefcount counts the caller's name and its own argument.
-        if type(value) is memoryview and sys.getrefcount(value) <= 3:
-            self._slabs.give(value)
+        if type(value) is memoryview:
+            if sys.getrefcount(value) <= 3:
+                self._slabs.give(value)
+            else:
+                self._pending.append(value)
+
+    def _reclaim(self) -> None:
+        """Give back the pending slots their readers have let go of."""
+        with self._lock:
+            still = []
+            for value in self._pending:
+                # References: the list, this loop's name, getrefcount's argument.
+                if sys.getrefcount(value) <= 3:
+                    self._slabs.give(value)
+                else:
+                    still.append(value)
+            self._pending = still
 
     def get(self, keys: Sequence[str]) -> list[Optional[bytes]]:
         out: list[Optional[bytes]] = []
@@ -172,6 +192,7 @@ class MemoryBackend:
     def close(self) -> None:
         with self._lock:
             self._values.clear()
+            self._pending.clear()
             self._bytes = 0
         self._slabs.close()
 

@@ -241,6 +241,27 @@ def test_memory_backend_reuses_a_dropped_slot_but_never_one_still_being_read():
     backend.close()
 
 
+def test_a_slot_evicted_while_read_comes_back_once_the_reader_lets_go():
+    size = MIN_SLOT_BYTES
+    backend = MemoryBackend(capacity_bytes=2 * size)
+    for key, fill in (("a", b"a"), ("b", b"b")):
+        value = backend.take_buffer(size)
+        value[:] = fill * size
+        backend.put([(key, value)])
+    del value
+    reading = backend.get(["a"])[0]  # a GET still sending "a"...
+    for key, fill in (("c", b"c"), ("d", b"d")):  # ...when two more evict "b", then "a"
+        value = backend.take_buffer(size)
+        value[:] = fill * size
+        backend.put([(key, value)])
+    del value
+    assert backend.get(["a"]) == [None] and bytes(reading) == b"a" * size
+    assert all(bytes(backend.take_buffer(size)[:1]) != b"a" for _ in range(20))
+    del reading  # the GET is done: the slot goes back to the slabs
+    assert any(bytes(backend.take_buffer(size)[:4]) == b"aaaa" for _ in range(40))
+    backend.close()
+
+
 def test_value_slabs_are_faulted_in_ahead_and_bounded():
     size = MIN_SLOT_BYTES
     slabs = ValueSlabs(max_bytes=24 * size, slab_bytes=8 * size, ahead_bytes=16 * size)
