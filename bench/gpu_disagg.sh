@@ -122,7 +122,7 @@ deployment() {  # STEP PORT: start one deployment, run its sweeps, stop it, pack
     disagg|smoke) name=disagg-1p1d; shape=(--prefill 1 --decode 1 --prefill-threshold 0) ;;
     direct|smoke-direct) name=disagg-1p1d-direct
       shape=(--prefill 1 --decode 1 --prefill-threshold 0 --kv-transfer direct) ;;
-    tests) $PY -m pytest -q -x tests/gpu/test_direct_transfer_gpu.py -p no:cacheprovider 2>&1 | tail -15
+    tests) $PY -m pytest -q -x tests/gpu/test_kv_pull_gpu.py -p no:cacheprovider 2>&1 | tail -15
       return ;;
     *) echo "unknown step $step: prepare, tests, smoke, smoke-coloc, smoke-direct, coloc, disagg or direct" >&2
       return 2 ;;

@@ -12,7 +12,7 @@ SWEEP_SHAPES=${SWEEP_SHAPES-1x512,1x1024,1x2048,1x4096,1x8192,8x512,8x1024,8x204
 STUBS=${STUBS:-bench-results/disagg-assets/stubs}  # made by `bash bench/gpu_disagg.sh prepare`
 mkdir -p "$OUT" /tmp/pkg/tandem/v1
 # Map the folders onto the tandem.* import tree without installing; tandem.v1 gets the protos
-# and, where `prepare` made them, the gRPC stubs (tests/gpu/test_direct_transfer_gpu.py needs them).
+# and, where `prepare` made them, the gRPC stubs (tests/gpu/test_kv_pull_gpu.py needs them).
 for d in engine kernels bench services; do ln -sfn "$PWD/$d" "/tmp/pkg/tandem/$d"; done
 cp protos/tandem/v1/__init__.py /tmp/pkg/tandem/v1/
 [[ -d $STUBS ]] && cp "$STUBS"/*.py /tmp/pkg/tandem/v1/

@@ -6,7 +6,7 @@ computing; holds end on release or timeout and no block leaks.
 
 Both engines run in this process here (the shared-memory segment is opened by
 name all the same); tests/e2e/test_direct_transfer.py runs them as separate
-services, and tests/gpu/test_direct_transfer_gpu.py over CUDA IPC."""
+services, and tests/gpu/test_kv_pull_gpu.py over CUDA IPC."""
 from __future__ import annotations
 
 import dataclasses

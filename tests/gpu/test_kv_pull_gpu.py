@@ -1,7 +1,13 @@
-"""The direct KV transfer across processes: a prefill engine in a process of
-its own exports its cache (CUDA IPC on the GPU, shared memory on the CPU),
-this process's decode engine copies the prompt's blocks from it and answers
-exactly as an engine that computed the whole prompt itself."""
+"""KV transfers a decode pulls from a prefill in another process: a prefill
+engine in a process of its own holds a prompt's blocks and hands out a
+handle; this process's decode engine copies the blocks out of the prefill's
+cache and answers exactly as an engine that computed the whole prompt itself.
+
+- direct: the prefill's cache is exported (CUDA IPC on the GPU, shared
+  memory on the CPU) and copied from;
+- nixl: the prefill registers its cache with NIXL (VRAM on the GPU) and the
+  decode reads it through UCX (CUDA IPC or copies on one host, RDMA between
+  hosts); skipped without NIXL installed."""
 from __future__ import annotations
 
 import subprocess
@@ -23,8 +29,23 @@ from tandem.services.common.kv_handle import handle_from_proto  # noqa: E402  (n
 PROMPT = [(7 * i + 3) % 500 + 2 for i in range(300)]  # 18 full blocks and 12 tokens
 MAX_NEW = 12
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                 reason="needs CUDA"))]
+NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _has_nixl() -> bool:
+    try:
+        from tandem.engine.connector.nixl import nixl_api
+
+        nixl_api()
+        return True
+    except ImportError:
+        return False
+
+
+NO_NIXL = pytest.mark.skipif(not _has_nixl(), reason="NIXL is not installed")
+CASES = [pytest.param("direct", "cpu", id="direct-cpu"),
+         pytest.param("direct", "cuda", id="direct-cuda", marks=NO_CUDA),
+         pytest.param("nixl", "cuda", id="nixl-cuda", marks=[NO_CUDA, NO_NIXL])]
 
 
 def run(engine: LLMEngine, max_tokens: int, **kwargs) -> list[int]:
@@ -37,8 +58,8 @@ def run(engine: LLMEngine, max_tokens: int, **kwargs) -> list[int]:
     return tokens
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_decode_copies_from_a_prefill_in_another_process(tmp_path, device):
+@pytest.mark.parametrize("transfer, device", CASES)
+def test_decode_copies_from_a_prefill_in_another_process(tmp_path, transfer, device):
     path, _ = tiny_model_dir(tmp_path, "llama")
 
     def engine(connector=None, role="both") -> LLMEngine:
@@ -49,12 +70,15 @@ def test_decode_copies_from_a_prefill_in_another_process(tmp_path, device):
     reference = run(engine(), MAX_NEW)
     producer = subprocess.Popen(
         [sys.executable, "-m", "tests.support.kv_producer", path, device, "float32",
-         ",".join(map(str, PROMPT))], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+         ",".join(map(str, PROMPT)), transfer], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         line = read_answer(producer.stdout)
         handle = common_pb2.KVHandle.FromString(bytes.fromhex(line["handle"]))
-        assert handle.HasField("cuda") == (device == "cuda")
-        decode = engine("direct", "consumer")
+        if transfer == "direct":
+            assert handle.HasField("cuda") == (device == "cuda")
+        else:
+            assert handle.nixl.mem_type == "VRAM"
+        decode = engine(transfer, "consumer")
         # Decode's first output carries the token prefill sampled.
         tokens = run(decode, MAX_NEW, first_token_ids=line["first"], kv_transfer_params=handle_from_proto(handle))
         assert tokens == reference
