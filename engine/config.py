@@ -45,6 +45,9 @@ class ModelConfig:
     load_format: LoadFormat = "auto"
     dtype: str = "auto"  # "auto": float32 on CPU, bfloat16 on CUDA
     max_model_len: Optional[int] = None  # None: the model's own limit
+    # "fp8": quantize the linear layers at load (engine/fp8.py); None: the
+    # checkpoint's own (an FP8 checkpoint stays FP8), else the dtype.
+    quantization: Optional[str] = None
     seed: int = 0  # seeds dummy weights
     # A transformers PretrainedConfig, when the caller already has one (tests,
     # dummy weights); otherwise read from `model`.
@@ -170,6 +173,12 @@ class EngineArgs:
         "auto", "weight and KV dtype; auto: float32 on the CPU, bfloat16 on CUDA", group=_MODEL)
     max_model_len: Optional[int] = flag_field(
         None, "context length; unset: the model's own limit", group=_MODEL)
+    quantization: Optional[Literal["fp8"]] = flag_field(
+        None, "fp8: the decoder's linear layers in FP8 (e4m3 weights, a scale per output channel, "
+        "activations quantized per token), quantized from the checkpoint at load; needs a GPU of "
+        "compute capability 8.9+ (Hopper, Ada), runs as a dequantizing twin on the CPU; not for "
+        "MoE models yet. Unset: the checkpoint's own (a HF FP8 checkpoint loads as FP8), else --dtype",
+        group=_MODEL)
     seed: int = internal_field(
         0, why="seeds dummy weights: the prefill and decode engines of one stack must hold the same "
                "weights, so no command lets them differ")
@@ -301,7 +310,8 @@ class EngineArgs:
                               "service's address")
         return EngineConfig(
             model=ModelConfig(model=self.model, load_format=self.load_format, dtype=self.dtype,
-                              max_model_len=self.max_model_len, seed=self.seed,
+                              max_model_len=self.max_model_len, quantization=self.quantization,
+                              seed=self.seed,
                               hf_config=self.hf_config, tokenizer=self.tokenizer,
                               revision=self.revision, download_dir=self.download_dir),
             cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks,

@@ -19,7 +19,6 @@ import glob
 import importlib.util
 import logging
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -297,6 +296,12 @@ def load_weights(model: torch.nn.Module, source: ModelSource, config: Any, seed:
         return
     kind, path = _readable(source.kind, source.path)
     state = gguf_state_dict(path) if kind == "gguf" else _safetensors_state_dict(path)
+    from tandem.engine import fp8  # torch: not at import (the router's view)
+
+    if fp8.checkpoint_quantization(config) == "fp8":
+        # e4m3 weights load into FP8 layers as they are, scales made per-channel.
+        state = fp8.normalize_checkpoint(state, fp8.weight_block_size(config))
+        fp8.replace_linears(model, fp8.Fp8Linear.shell_of, only=fp8.fp8_linear_names(state))
     sources = {name: _checkpoint_source(name, p.shape, state) for name, p in model.named_parameters()}
     missing = [n for n, src in sources.items()
                if src is None and not (n == "lm_head.weight" and model.tie_word_embeddings)]

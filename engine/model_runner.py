@@ -16,6 +16,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from tandem.engine import fp8
 from tandem.engine.block_table import BlockTable
 from tandem.engine.config import EngineConfig
 from tandem.engine.connector.base import KVCacheLayout
@@ -62,6 +63,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.model.dtype, self.device.type)
         hf = info.hf_config
         self.block_size = config.cache.block_size
+        # Checked before any weight is read: an FP8 the model or GPU cannot run fails fast.
+        self.quantization = fp8.effective_quantization(hf, config.model.quantization, self.device)
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
@@ -74,12 +77,14 @@ class ModelRunner:
             # On the CPU the separate products keep the arithmetic identical to HF's
             # (the token-exact tests); on a GPU fewer, larger GEMVs win.
             self.model.fuse_projections()
+        if self.quantization == "fp8" and not fp8.is_quantized(self.model):
+            fp8.quantize_model(self.model)  # --quantization fp8 on a bf16 checkpoint
         self.model.eval()
         num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
         # The model id and dtype name the blocks: KV of another model or
         # precision never matches, in this process or in a shared store.
         layout = KVCacheLayout(hf.num_hidden_layers, 0, self.block_size, num_kv_heads, head_dim_of(hf),
-                               self.dtype, self.device, model_key=f"{info.model_id}|{self.dtype}")
+                               self.dtype, self.device, model_key=self._model_key(info.model_id))
         self.layout = dataclasses.replace(
             layout, num_blocks=self._decide_num_blocks(layout.block_bytes + extra_block_bytes))
         self.kv_cache: Optional[torch.Tensor] = None  # bind_kv_cache
@@ -103,6 +108,11 @@ class ModelRunner:
         # Only the torch twins read the host copies of query starts and lengths;
         # the Triton kernels take the device tensors.
         self._host_lists = not (self.device.type == "cuda" and triton_backend_selected())
+
+    def _model_key(self, model_id: str) -> str:
+        # FP8 weights compute other K/V than the bf16 ones: their blocks get other names.
+        suffix = f"|{self.quantization}" if self.quantization else ""
+        return f"{model_id}|{self.dtype}{suffix}"
 
     @property
     def num_blocks(self) -> int:

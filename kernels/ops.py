@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from tandem.kernels.fp8_torch import fp8_linear_torch, quantize_rows_torch
 from tandem.kernels.fused_moe_torch import fused_moe_torch
 from tandem.kernels.metadata import AttentionMetadata
 from tandem.kernels.layer_ops_torch import rms_norm_torch, rotary_torch, silu_and_mul_torch
@@ -103,3 +104,17 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
 
         return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids)
     return fused_moe_torch(hidden, w13, w2, topk_weights, topk_ids)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: Optional[torch.Tensor] = None, weight_fp32: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] times an e4m3 weight [N, K] with per-channel scales [N], the
+    activations quantized per token (fp8_torch.py). On CUDA the FP8 GEMM runs
+    whatever the backend (the torch backend quantizes with the twin);
+    weight_fp32 serves the twin only."""
+    if x.is_cuda:
+        from tandem.kernels.fp8_triton import fp8_linear_cuda, quantize_rows_triton
+
+        quantize = quantize_rows_triton if triton_backend_selected() else quantize_rows_torch
+        return fp8_linear_cuda(x, weight, weight_scale, bias, quantize=quantize)
+    return fp8_linear_torch(x, weight, weight_scale, bias, weight_fp32)

@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from tandem.engine.fp8 import Fp8Linear
 from tandem.kernels import AttentionMetadata, paged_attention, rms_norm, rotary, silu_and_mul, write_kv
 
 # HF model_type -> (qkv bias, q/k norm); the MoE models get their MLPs from moe.py (models.build_model)
@@ -156,8 +157,10 @@ def dense_mlp(config, layer_idx: int) -> nn.Module:
     return MLP(config)
 
 
-def _concat_linears(linears: list[nn.Linear]) -> nn.Linear:
+def _concat_linears(linears: list[nn.Module]) -> nn.Module:
     first = linears[0]
+    if isinstance(first, Fp8Linear):  # an FP8 checkpoint's projections (engine/fp8.py)
+        return Fp8Linear.concat(linears)
     fused = nn.Linear(first.in_features, sum(m.out_features for m in linears), bias=first.bias is not None,
                       device=first.weight.device, dtype=first.weight.dtype)
     with torch.no_grad():

@@ -72,3 +72,15 @@ def test_fused_moe_kernels_match_torch_twin_under_interpreter() -> None:
     report = proc.stdout + proc.stderr
     assert proc.returncode == 0, report
     assert "checked 14 cases, 0 failed" in proc.stdout, report
+
+
+@pytest.mark.timeout(120)
+def test_fp8_skinny_gemm_matches_the_dequantizing_twin_under_interpreter() -> None:
+    # The decode-batch FP8 GEMM (kernels/fp8_triton.py) at 1-64 rows, widths
+    # that are not multiples of its tiles, with and without bias; fp32 and bf16.
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "tandem.kernels.fp8_check", "--device", "cpu"],
+                          env=env, capture_output=True, text=True, timeout=100)
+    report = proc.stdout + proc.stderr
+    assert proc.returncode == 0, report
+    assert "28 cases, 0 failed" in proc.stdout, report

@@ -1,0 +1,131 @@
+"""Check the FP8 linear layer's CUDA paths (fp8_triton.py) against the
+dequantizing twin (fp8_torch.py), and on a GPU time them against bf16.
+
+    TRITON_INTERPRET=1 python -m tandem.kernels.fp8_check --device cpu   # the skinny GEMM, CI
+    python -m tandem.kernels.fp8_check --device cuda --bench             # on a GPU (8.9+)
+
+Cases: the skinny GEMM at 1-64 rows (with and without bias, widths that are
+not multiples of its tiles) and, on CUDA, the activation quantizer and the
+FP8 GEMM (torch._scaled_mm). The quantizer is not checked under the
+interpreter: its fp32 -> e4m3 cast is wrong where rounding carries into the
+next power of two (125.1 becomes 64, not 128). --bench times the layers of
+an 8B Llama (q/k/v, o, gate/up, down) at 1, 8, 64 and 256 rows: bf16
+matmul, the FP8 GEMM, the skinny GEMM, each with the quantizer where it
+needs it (median of triton.testing.do_bench).
+
+Exit status 0 when every case agrees; the last line says how many were checked.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from tandem.kernels.fp8_torch import fp8_linear_torch, quantize_rows_torch, quantize_weight
+
+# Relative to the reference's largest magnitude. Both sides sum the same
+# exact products in fp32 (in other orders) and round once to the output
+# dtype: bf16's half step (2^-9) with room for the order.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7}
+# The FP8 GEMM's own: Hopper's FP8 tensor cores keep fewer accumulator bits
+# than fp32 (DeepSeek-V3's report measures about 14), measured 1.4e-2 at
+# K = 256-512 on the H200.
+FP8_GEMM_TOLERANCE = 2 ** -5
+
+# (rows, in features, out features, bias)
+SHAPES = ((1, 256, 96, False), (1, 200, 40, True), (3, 200, 80, True), (8, 512, 64, False), (16, 96, 40, True),
+          (64, 256, 128, False), (150, 120, 72, True))
+LLAMA_8B_LAYERS = (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096))
+
+
+def _err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).abs().max()) / max(float(ref.float().abs().max()), 1e-6)
+
+
+def check(device: str) -> tuple[int, int]:
+    from tandem.kernels.fp8_triton import fp8_gemv, fp8_linear_cuda, fp8_skinny_gemm, quantize_rows_triton
+
+    gen = torch.Generator().manual_seed(0)
+    failed = total = 0
+    dtypes = (torch.bfloat16,) if device == "cuda" else (torch.float32, torch.bfloat16)
+    for rows, k, n, has_bias in SHAPES:
+        for dtype in dtypes:
+            x = (torch.randn(rows, k, generator=gen) * 3).to(device=device, dtype=dtype)
+            w = torch.randn(n, k, generator=gen).to(device)
+            bias = torch.randn(n, generator=gen).to(device=device, dtype=dtype) if has_bias else None
+            wq, ws = quantize_weight(w)
+            ref = fp8_linear_torch(x, wq, ws, bias)
+            q, xs = quantize_rows_torch(x)
+            results = {"skinny": fp8_skinny_gemm(q, xs, wq, ws, bias, dtype),
+                       "gemv": fp8_gemv(q, xs, wq, ws, bias, dtype)}
+            if device == "cuda":
+                if k % 16 == 0 and n % 16 == 0:
+                    results["fp8 gemm"] = fp8_linear_cuda(x, wq, ws, bias, skinny=False)
+                results["layer"] = fp8_linear_cuda(x, wq, ws, bias)
+                tq, txs = quantize_rows_triton(x)
+                results["quantizer scales"] = txs
+                ref_q = {"quantizer scales": xs}
+                diff = (tq.float() - q.float()).abs()
+                results_ok_q = bool((diff <= q.float().abs() / 8 + 2.0 ** -9).all())
+                total += 1
+                if not results_ok_q:
+                    failed += 1
+                    print(f"FAIL quantizer values rows={rows} k={k}: {int((diff > 0).sum())} differ")
+            for name, out in results.items():
+                total += 1
+                reference = ref_q[name] if name == "quantizer scales" else ref
+                err = _err(out, reference)
+                # "layer": whichever path the layer picks, the FP8 GEMM's included
+                ok = err <= (FP8_GEMM_TOLERANCE if name in ("fp8 gemm", "layer") else TOLERANCE[dtype])
+                failed += not ok
+                print(f"{'ok  ' if ok else 'FAIL'} {name:<16} rows={rows:<3} k={k:<4} n={n:<4} bias={has_bias!s:<5} "
+                      f"{str(dtype)[6:]:<9} rel err {err:.2e}")
+    return total, failed
+
+
+def bench() -> None:
+    """Times of an 8B Llama's layers (microseconds, median of CUDA graph
+    replays, as the engine runs them): bf16, the quantizer alone, the FP8
+    GEMM, and the CUDA-core kernel under a few tile choices (quantizer
+    included), so the defaults come from numbers."""
+    import triton.testing
+
+    from tandem.kernels.fp8_triton import fp8_gemv, fp8_linear_cuda, quantize_rows_triton
+
+    def time_us(fn) -> float:
+        return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
+
+    gemv_configs = [(4, 1024, 4, 3), (8, 512, 4, 3), (8, 1024, 4, 3), (16, 512, 4, 3), (16, 1024, 8, 3),
+                    (8, 512, 4, 5), (16, 256, 4, 4), (32, 256, 8, 3)]
+    for name, k, n in LLAMA_8B_LAYERS:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        wq, ws = quantize_weight(w)
+        for rows in (1, 2, 8, 64, 256):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            cells = {"bf16": time_us(lambda: x @ w.t()), "quant": time_us(lambda: quantize_rows_triton(x)),
+                     "gemm": time_us(lambda: fp8_linear_cuda(x, wq, ws, skinny=False))}
+            if rows <= 2:
+                for bn, bk, nw, ns in gemv_configs:
+                    cells[f"gemv{bn}x{bk}w{nw}s{ns}"] = time_us(lambda: fp8_gemv(
+                        *quantize_rows_triton(x), wq, ws, None, x.dtype, block_n=bn, block_k=bk, num_warps=nw,
+                        num_stages=ns))
+            best = min((v, c) for c, v in cells.items() if c not in ("bf16", "quant"))
+            print(f"{name:<8} rows={rows:<4} " + " ".join(f"{c}={v:.1f}" for c, v in cells.items())
+                  + f"  best {best[1]} {cells['bf16'] / best[0]:.2f}x bf16")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    parser.add_argument("--bench", action="store_true", help="also time the layers of an 8B Llama (CUDA)")
+    args = parser.parse_args(argv)
+    total, failed = check(args.device)
+    if args.bench and args.device == "cuda":
+        bench()
+    print(f"{total} cases, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Plain-torch twin of the FP8 linear layer: e4m3 weights with one scale per
+output channel, activations quantized per token on the fly ("dynamic"
+scales), the product accumulated in fp32 and each output scaled by its
+token's and its channel's scales.
+
+On a Hopper GPU the same arithmetic runs through torch._scaled_mm
+(fp8_cuda.py). Here the e4m3 values are turned back into fp32 and multiplied
+there: every e4m3 value is exact in fp32, so this computes what the FP8
+GEMM computes up to the order of the fp32 sums. It is the CPU path and the
+oracle of the GPU one; it saves no memory bandwidth.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+INV_FP8_MAX = 1.0 / FP8_MAX
+# A row of zeros gets this scale instead of 0 (whose inverse is inf).
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+
+
+def quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 x [M, K], fp32 scales [M, 1]) with x ~= q * scale: each row's
+    largest magnitude maps to e4m3's largest finite value."""
+    xf = x.float()
+    # amax times 1/448 rather than amax / 448: torch divides by a number as a
+    # multiplication by its inverse on CUDA and not on the CPU; this way the
+    # CPU, CUDA and the Triton kernel get the same bits.
+    scale = (xf.abs().amax(dim=-1, keepdim=True) * INV_FP8_MAX).clamp(min=MIN_SCALE)
+    q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A linear layer's weight [N, K] as e4m3 with one fp32 scale per output
+    channel [N]: the same rule as the activations', along the other axis."""
+    q, scale = quantize_rows_torch(weight)
+    return q, scale.reshape(-1)
+
+
+def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 [N, K] from e4m3 [N, K] and per-channel scales [N]."""
+    return weight.float() * scale.float().reshape(-1, 1)
+
+
+def fp8_linear_torch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     bias: Optional[torch.Tensor] = None,
+                     weight_fp32: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] (any float dtype) times the e4m3 weight [N, K] with scales [N],
+    in x's dtype. weight_fp32: the weight's e4m3 values already in fp32 (a
+    caller that keeps them saves the conversion each call)."""
+    q, x_scale = quantize_rows_torch(x)
+    w = weight.float() if weight_fp32 is None else weight_fp32
+    out = (q.float() @ w.t()) * x_scale * weight_scale.float().reshape(1, -1)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)

@@ -1,0 +1,189 @@
+"""The FP8 linear layer on CUDA: a Triton kernel quantizes the activations
+per token; torch._scaled_mm (the FP8 GEMM of cuBLASLt/CUTLASS, Hopper and
+Ada) multiplies them by the e4m3 weight with row-wise scales (the token's
+scale on A's rows, the channel's on B's columns), accumulated in fp32,
+written in bf16. For one row (decode of one sequence) a Triton kernel on the
+CUDA cores does the same arithmetic over narrow tiles that keep every
+multiprocessor streaming weights; a Triton tensor-core kernel takes the
+widths the FP8 GEMM refuses (not multiples of 16).
+
+Why a kernel for the quantization: as torch expressions it is five launches
+(abs, amax, divide, clamp, cast) per linear layer, four layers a block; at
+batch 1 those launches would cost as much as the bandwidth FP8 saves. Here it
+is one launch that reads each row twice (its amax, then its quantized values).
+
+Twin: fp8_torch.py (same scales, same clamping; e4m3 rounding is
+round-to-nearest-even in both).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from tandem.kernels.fp8_torch import FP8_DTYPE, FP8_MAX, INV_FP8_MAX, MIN_SCALE
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n_cols, fp8_max, inv_fp8_max, min_scale,
+                          BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, axis=0) * inv_fp8_max, min_scale)
+    tl.store(scale_ptr + row, scale)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        q = tl.clamp(tl.div_rn(x, scale), -fp8_max, fp8_max)
+        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [M, K], fp32 scales [M, 1]) of x [M, K]; see quantize_rows_torch."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        # Wide blocks and many warps: at decode a row is the whole grid (one
+        # program), and a 14336-wide row in 1024-wide steps took 7 us on the H200.
+        block = min(4096, triton.next_power_of_2(k))
+        _quantize_rows_kernel[(m,)](x, q, scale, x.stride(0), q.stride(0), k, FP8_MAX, INV_FP8_MAX, MIN_SCALE,
+                                    BLOCK=block, num_warps=8 if block >= 2048 else 4)
+    return q, scale
+
+
+@triton.jit
+def _fp8_skinny_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K,
+                            stride_q, stride_w, stride_out, HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        ks = start + tl.arange(0, BLOCK_K)
+        # e4m3 values are exact in bf16: a bf16 product of them, summed in fp32,
+        # is the FP8 product (no FP8 tensor-core path needed for it)
+        a = tl.load(q_ptr + rows[:, None] * stride_q + ks[None, :],
+                    mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0).to(DOT_DTYPE)
+        b = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_w + ks[:, None],
+                    mask=(cols[None, :] < N) & (ks[:, None] < K), other=0.0).to(DOT_DTYPE)
+        acc += tl.dot(a, b)
+    xs = tl.load(xs_ptr + rows, mask=rows < M, other=0.0)
+    ws = tl.load(ws_ptr + cols, mask=cols < N, other=0.0)
+    out = acc * xs[:, None] * ws[None, :]
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit
+def _fp8_gemv_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, N, K, stride_q, stride_w, stride_out,
+                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One row of activations: products on the CUDA cores, each program
+    streaming BLOCK_N whole weight rows (a decode step of one sequence reads
+    every weight once and multiplies it once: no tile to reuse)."""
+    # Rows vary fastest over the grid: the programs of one weight tile run
+    # side by side, and all but the first read it from L2.
+    row = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        ks = start + tl.arange(0, BLOCK_K)
+        x = tl.load(q_ptr + row * stride_q + ks, mask=ks < K, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + ks[None, :],
+                    mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0).to(tl.float32)
+        acc += w * x[None, :]
+    out = tl.sum(acc, axis=1) * tl.load(xs_ptr + row) * tl.load(ws_ptr + cols, mask=cols < N, other=0.0)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=cols < N)
+
+
+def fp8_gemv(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+             bias: Optional[torch.Tensor], out_dtype: torch.dtype, block_n: Optional[int] = None,
+             block_k: Optional[int] = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """fp8_skinny_gemm's arithmetic, one program per (row, BLOCK_N channels):
+    for one row; each further row rereads the weight (from L2 at best).
+    Default tiles: the fastest of `python -m tandem.kernels.fp8_check --bench`
+    on the H200 for an 8B Llama's layers (8 x 512; 4 x 1024 for the 14336-wide
+    down projection)."""
+    m, k = q.shape
+    block_n = block_n or (4 if k > 8192 else 8)
+    block_k = block_k or (1024 if k > 8192 else 512)
+    n = weight.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=q.device)
+    _fp8_gemv_kernel[(m, triton.cdiv(n, block_n))](
+        q, x_scale, weight, weight_scale, bias if bias is not None else weight_scale, out, n, k,
+        q.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+# Up to this many rows the CUDA-core kernel (fp8_gemv) runs; above, the FP8
+# GEMM. Measured on the H200 in the engine (Llama-3-8B decode step, CUDA
+# graphs): at batch 1 the FP8 GEMM alone made FP8 slower than bf16 (5.96 vs
+# 5.50 ms: its tiles of 128 channels leave most multiprocessors idle at one
+# row), fp8_gemv 4.58 ms against bf16's 5.13; at batch 8 and 64 the tensor-core
+# skinny kernel below lost to the FP8 GEMM (10.2 vs 6.1 ms at 8).
+GEMV_MAX_ROWS = 1
+
+
+def fp8_skinny_gemm(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    bias: Optional[torch.Tensor], out_dtype: torch.dtype, block_n: Optional[int] = None,
+                    block_k: Optional[int] = None, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+    """(q * x_scale) [M, K] times (weight * weight_scale) [N, K]^T (+ bias):
+    the arithmetic of the FP8 GEMM, for widths the FP8 GEMM refuses (not
+    multiples of 16)."""
+    m, k = q.shape
+    n = weight.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=q.device)
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    block_n = block_n or (32 if block_m <= 16 else 64)
+    block_k = block_k or (256 if block_m <= 16 else 128)
+    _fp8_skinny_gemm_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
+        q, x_scale, weight, weight_scale, bias if bias is not None else weight_scale, out, m, n, k,
+        q.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+        # Triton's interpreter multiplies bf16 converted from fp8 as raw bits;
+        # fp32 there holds the same exact values
+        DOT_DTYPE=tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def fp8_linear_cuda(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    bias: Optional[torch.Tensor] = None, quantize=quantize_rows_triton,
+                    skinny: Optional[bool] = None) -> torch.Tensor:
+    """x [M, K] times the e4m3 weight [N, K] (row-major, so weight.t() is the
+    column-major B cuBLASLt wants) with per-channel scales [N], in x's dtype.
+    quantize: the activation quantizer (the twin's under --attention-backend
+    torch); skinny: force (True) or forbid (False) the Triton kernels (None:
+    fp8_gemv up to GEMV_MAX_ROWS rows, the skinny GEMM for widths the FP8
+    GEMM refuses, else the FP8 GEMM)."""
+    q, x_scale = quantize(x)
+    m, k = x.shape
+    # The FP8 GEMM needs both widths in multiples of 16; the Triton kernels take any.
+    gemm_shapes = k % 16 == 0 and weight.shape[0] % 16 == 0
+    if skinny if skinny is not None else (m <= GEMV_MAX_ROWS or not gemm_shapes):
+        if m <= GEMV_MAX_ROWS:
+            return fp8_gemv(q, x_scale, weight, weight_scale, bias, x.dtype)
+        return fp8_skinny_gemm(q, x_scale, weight, weight_scale, bias, x.dtype)
+    # Row-wise scaled FP8 GEMMs write bf16 only; an fp16 engine gets a cast.
+    out = torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=weight_scale.reshape(1, -1),
+                           out_dtype=torch.bfloat16)
+    if bias is not None:
+        out = out + bias
+    return out if out.dtype == x.dtype else out.to(x.dtype)
