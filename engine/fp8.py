@@ -27,6 +27,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from tandem.engine.config import ConfigError
 from tandem.kernels import fp8_linear
 from tandem.kernels.fp8_torch import FP8_DTYPE, quantize_weight
 
@@ -36,9 +37,10 @@ QUANTIZATIONS = ("fp8",)
 DEFAULT_WEIGHT_BLOCK = (128, 128)  # transformers' FineGrainedFP8Config default
 
 
-class QuantizationError(ValueError):
+class QuantizationError(ConfigError):
     """A quantization this model, checkpoint or device cannot have; the
-    message says what is supported."""
+    message names the flag and says what is supported (commands print it as
+    `error: ...`, status 2)."""
 
 
 class Fp8Linear(nn.Module):
@@ -120,7 +122,7 @@ def checkpoint_quantization(hf_config: Any) -> Optional[str]:
     if method in QUANTIZATIONS:
         return method
     raise QuantizationError(
-        f"the checkpoint is quantized with {method!r}, which tandem cannot load; it loads FP8 "
+        f"--model: the checkpoint is quantized with {method!r}, which tandem cannot load; it loads FP8 "
         f"checkpoints (quant_method 'fp8') and unquantized ones (--quantization fp8 quantizes "
         f"those at load)")
 
@@ -139,18 +141,19 @@ def effective_quantization(hf_config: Any, requested: Optional[str], device: tor
     method = requested or checkpoint_quantization(hf_config)
     if method is None:
         return None
+    flag = "--quantization fp8" if requested else "--model (an FP8 checkpoint)"
     from tandem.engine.models.moe import MOE_MODEL_TYPES
 
     model_type = getattr(hf_config, "model_type", "")
     if model_type in MOE_MODEL_TYPES:
         raise QuantizationError(
-            f"FP8 is not built for mixture-of-experts models ({model_type}): their experts run in the "
+            f"{flag}: FP8 is not built for mixture-of-experts models ({model_type}): their experts run in the "
             f"fused MoE kernel, which has no FP8 path yet; serve the bf16 checkpoint")
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         major, minor = torch.cuda.get_device_capability(device)
         raise QuantizationError(
-            f"FP8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper) for its FP8 matrix "
-            f"products; this one is {major}.{minor}: serve without --quantization")
+            f"{flag}: FP8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper) for its FP8 "
+            f"matrix products; this one is {major}.{minor}: serve a bf16 checkpoint without --quantization")
     return method
 
 

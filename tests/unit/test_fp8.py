@@ -186,6 +186,16 @@ def test_fp8_refuses_what_it_cannot_run(tmp_path):
         EngineArgs(quantization="int4").create_engine_config()
 
 
+def test_tandem_generate_refuses_fp8_for_an_moe_model_with_an_error_line(tmp_path, capsys):
+    from tandem.services.cli import main
+
+    path, _ = tiny_model_dir(tmp_path, "mixtral")
+    assert main(["generate", "--model", path, "--quantization", "fp8", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --quantization fp8: FP8 is not built for mixture-of-experts models (mixtral)" in err
+    assert "Traceback" not in err
+
+
 def test_fp8_smollm2_agrees_with_bf16_on_most_greedy_tokens():
     """Measured 2026-11-26 on the dev machine: 356/384 (92.7%). The issue's
     goal is 97%; SmolLM2-135M does not reach it with e4m3 weights whatever the
