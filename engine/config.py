@@ -110,6 +110,7 @@ class EngineConfig:
     structured_outputs_backend: str = "xgrammar"
     # Speculative decoding (engine/spec_decode/); None: off.
     speculative: Optional[SpeculativeConfig] = None
+    tensor_parallel_size: int = 1  # engine processes (ranks) the model is split across
 
     def with_defaults(self) -> "EngineConfig":
         """A copy with every device-dependent default (None) decided."""
@@ -226,6 +227,12 @@ class EngineArgs:
         "CUDA_VISIBLE_DEVICES)", group=_RUNTIME)
     enforce_eager: bool = flag_field(
         False, "no CUDA graphs for decode (slower; for debugging)", group=_RUNTIME)
+    tensor_parallel_size: int = flag_field(
+        1, "engine processes the model is split across (tensor parallelism: attention heads, KV "
+        "heads, MLP channels and the vocabulary divided among them; this process is rank 0 and "
+        "starts the others). Above 1: CPU engines only so far (gloo), dense models whose head, "
+        "KV head and MLP channel counts it divides; not with --kv-transfer, --speculative-config "
+        "or --swap-space yet", group=_RUNTIME, metavar="N")
     attention_backend: AttentionBackend = flag_field(
         "auto", "kernels on CUDA: auto or triton run the Triton kernels; torch runs their "
         "plain-torch twins (for debugging), and then decode runs without CUDA graphs, since the "
@@ -331,6 +338,7 @@ class EngineArgs:
             kv_hold_timeout_s=self.kv_hold_timeout,
             kv_staging_bytes=int(self.kv_staging_gib * (1 << 30)),
             speculative=self._speculative(),
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
     def _speculative(self) -> Optional[SpeculativeConfig]:
@@ -350,7 +358,9 @@ class EngineArgs:
             if spec.choices is not None and value not in spec.choices:
                 raise ConfigError(f"{spec.flag}: {value!r} is not one of "
                                   + ", ".join(map(str, spec.choices)))
-        positive = ("block_size", "num_blocks", "max_model_len", "max_num_batched_tokens",
+        if self.tensor_parallel_size > 1:
+            self._check_tensor_parallel()
+        positive = ("tensor_parallel_size", "block_size", "num_blocks", "max_model_len", "max_num_batched_tokens",
                     "max_num_seqs", "staging_queue_size", "cpu_kv_cache_gib", "kv_hold_timeout",
                     "kv_staging_gib")
         for name in positive:
@@ -371,6 +381,20 @@ class EngineArgs:
         if self.attention_backend == "triton" and self.device == "cpu":
             raise ConfigError("--attention-backend triton needs CUDA, and --device is cpu: use "
                               "--attention-backend auto or torch")
+
+
+    def _check_tensor_parallel(self) -> None:
+        """What tensor parallelism is not built for yet, refused by name."""
+        if self.device == "cuda":
+            raise ConfigError("--tensor-parallel-size above 1 runs on CPUs only so far (gloo between "
+                              "the ranks); it has not run on GPUs: use --device cpu, or 1 on a GPU")
+        others = [("--kv-transfer", self.kv_transfer not in (None, "none")),
+                  ("--speculative-config", bool(self.speculative_config)),
+                  ("--swap-space", self.swap_space > 0)]
+        for flag, given in others:
+            if given:
+                raise ConfigError(f"--tensor-parallel-size above 1 does not work with {flag} yet: drop "
+                                  f"one of the two")
 
 
 _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}

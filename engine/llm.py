@@ -67,6 +67,12 @@ class LLM:
         self.engine = LLMEngine(args.create_engine_config(kv_store_injected=True), kv_store=kv_store)
         self.tokenizer = self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop the engine's helpers: tensor-parallel ranks, connector, grammar
+        compiler. (At exit they stop anyway; a process that builds another
+        tensor-parallel LLM must shut the first down: one group per process.)"""
+        self.engine.shutdown()
+
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer(prompt)["input_ids"]

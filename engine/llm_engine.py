@@ -30,6 +30,7 @@ from tandem.engine.scheduler import Scheduler
 from tandem.engine.spec_decode.rejection_sampler import RejectionSampler, VerifyResult
 from tandem.engine.spec_decode.speculator import Speculator
 from tandem.engine.structured_output_manager import StructuredOutputManager
+from tandem.engine.tp_workers import TPWorkers, check_tensor_parallel
 
 __all__ = ["EngineStats", "LLMEngine", "RequestOutput", "StepTimes"]
 
@@ -110,12 +111,20 @@ class LLMEngine:
                                             mc.max_model_len, HubSource(mc.revision, mc.download_dir))
         self.tokenizer = self.info.tokenizer
         self.model_id = self.info.model_id
+        # Tensor parallelism: the other ranks start now and build their shards
+        # beside this one's (engine/tp_workers.py).
+        self.tp_workers: Optional[TPWorkers] = None
+        if config.tensor_parallel_size > 1:
+            check_tensor_parallel(config, self.info.hf_config)
+            self.tp_workers = TPWorkers(config)
         # A draft model's weights load before the target's cache is sized, and
         # every target block is sized with a draft block beside it.
         self.speculator: Optional[Speculator] = (Speculator.create(config, self.info)
                                                  if config.speculative is not None else None)
         self.runner = ModelRunner(config, self.info,
                                   self.speculator.kv_block_bytes if self.speculator is not None else 0)
+        if self.tp_workers is not None:
+            self.tp_workers.share_num_blocks(self.runner.num_blocks)
         layout = self.runner.layout
         self.connector = (kv_connector(config.kv_role, layout) if kv_connector is not None
                           else self._make_connector(layout, kv_store))
@@ -328,6 +337,8 @@ class LLMEngine:
             if meta.saves:
                 after_layer = lambda layer: connector.save_layer(layer, meta)  # noqa: E731
         t1_loaded = clock()  # the host tier's copies and the connector's loads count in no phase
+        if self.tp_workers is not None:
+            self.tp_workers.run(plan)
         batch = runner.prepare(plan)
         t2 = clock()
         logits = runner.forward(batch, plan, before_layer, after_layer)
@@ -432,6 +443,9 @@ class LLMEngine:
         return stats
 
     def shutdown(self) -> None:
+        if self.tp_workers is not None:
+            self.tp_workers.stop()
+            self.tp_workers = None
         self.structured.close()
         if self.connector is not None:
             self.connector.close()

@@ -308,10 +308,44 @@ def load_weights(model: torch.nn.Module, source: ModelSource, config: Any, seed:
     if missing:
         raise ValueError(f"weights missing from {path}: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     params = dict(model.named_parameters())
+    from tandem.engine.tensor_parallel import tp_group
+
+    sharded = tp_group().world_size > 1
     with torch.no_grad():
         for name, pieces in sources.items():
             for index, key in pieces or ():
-                params[name][index].copy_(state[key].to(params[name].dtype))
+                tensor = tp_shard(name, state[key]) if sharded else state[key]
+                params[name][index].copy_(tensor.to(params[name].dtype))
+
+
+# Tensor parallelism (engine/tensor_parallel.py): which dimension of a
+# checkpoint tensor each rank takes a slice of. Column-parallel layers split
+# their outputs (rows), row-parallel ones their inputs (columns); the
+# embedding and LM head split the vocabulary; the rest (norms) is whole.
+_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROW_PARALLEL = ("o_proj", "down_proj")
+_VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def tp_shard(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of the full checkpoint tensor of parameter `name`."""
+    import torch
+
+    from tandem.engine.tensor_parallel import tp_group, vocab_shard
+
+    group = tp_group()
+    module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+    if name in _VOCAB_PARALLEL:
+        start, per_rank = vocab_shard(tensor.shape[0])
+        rows = tensor[start:start + per_rank]
+        if rows.shape[0] < per_rank:  # the padding past the vocabulary: never a real token
+            rows = torch.cat([rows, rows.new_zeros(per_rank - rows.shape[0], *rows.shape[1:])])
+        return rows
+    if module in _COLUMN_PARALLEL:
+        return tensor.chunk(group.world_size, dim=0)[group.rank]
+    if module in _ROW_PARALLEL and name.endswith(".weight"):
+        return tensor.chunk(group.world_size, dim=1)[group.rank]
+    return tensor
 
 
 def _checkpoint_source(name: str, shape: Any, state: dict[str, torch.Tensor]) -> Optional[list[tuple]]:

@@ -25,6 +25,7 @@ from tandem.engine.loader import ModelInfo, load_weights
 from tandem.engine.models import build_model
 from tandem.engine.models.llama import LayerHook, head_dim_of
 from tandem.engine.plan import SchedulerOutput
+from tandem.engine.tensor_parallel import shard_size
 from tandem.kernels import AttentionMetadata
 from tandem.kernels.ops import set_attention_backend, triton_backend_selected
 
@@ -80,7 +81,8 @@ class ModelRunner:
         if self.quantization == "fp8" and not fp8.is_quantized(self.model):
             fp8.quantize_model(self.model)  # --quantization fp8 on a bf16 checkpoint
         self.model.eval()
-        num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        # This rank's KV heads: each tensor-parallel rank caches its own
+        num_kv_heads = shard_size(getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads, "KV heads")
         # The model id and dtype name the blocks: KV of another model or
         # precision never matches, in this process or in a shared store.
         layout = KVCacheLayout(hf.num_hidden_layers, 0, self.block_size, num_kv_heads, head_dim_of(hf),

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 from tandem.engine.fp8 import Fp8Linear
+from tandem.engine.models.vocab_parallel import VocabParallelEmbedding
+from tandem.engine.tensor_parallel import all_gather_last, all_reduce, shard_size, tp_group, vocab_shard
 from tandem.kernels import AttentionMetadata, paged_attention, rms_norm, rotary, silu_and_mul, write_kv
 
 # HF model_type -> (qkv bias, q/k norm); the MoE models get their MLPs from moe.py (models.build_model)
@@ -94,8 +96,11 @@ class Attention(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         qkv_bias, qk_norm = family_switches(config)
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        # This rank's heads (all of them without tensor parallelism): q/k/v are
+        # column-parallel, o row-parallel (engine/tensor_parallel.py).
+        self.num_heads = shard_size(config.num_attention_heads, "attention heads")
+        self.num_kv_heads = shard_size(getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+                                       "KV heads")
         self.head_dim = head_dim_of(config)
         hidden = config.hidden_size
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
@@ -131,16 +136,19 @@ class Attention(nn.Module):
         q, k = rotary(q, k, cos, sin)  # HF's rotate-half convention
         write_kv(k, v, kv_cache, meta.slot_mapping)
         out = paged_attention(q, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        return all_reduce(self.o_proj(out.reshape(n, self.num_heads * self.head_dim)))
 
 
 class MLP(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        if bias and tp_group().world_size > 1:
+            raise ValueError("--tensor-parallel-size above 1 is not built for MLPs with biases (mlp_bias)")
+        intermediate = shard_size(config.intermediate_size, "MLP channels")  # gate/up columns, down rows
+        self.gate_proj = nn.Linear(config.hidden_size, intermediate, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, config.hidden_size, bias=bias)
         self.gate_up_proj: Optional[nn.Linear] = None  # set by fuse()
 
     def fuse(self) -> None:
@@ -149,8 +157,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
-            return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+            return all_reduce(self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)))
+        return all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
 def dense_mlp(config, layer_idx: int) -> nn.Module:
@@ -197,7 +205,8 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config, make_mlp: MLPFactory) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+                             if tp_group().world_size > 1 else nn.Embedding(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, make_mlp(config, i))
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -211,7 +220,9 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, make_mlp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.vocab_size = config.vocab_size
+        # This rank's slice of the vocabulary (all of it without tensor parallelism)
+        self.lm_head = nn.Linear(config.hidden_size, vocab_shard(config.vocab_size)[1], bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -247,4 +258,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         return self.model.norm.add_and_norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        if tp_group().world_size > 1:  # every rank's slice, then the padding off
+            logits = all_gather_last(logits)[..., :self.vocab_size]
+        return logits.float()

@@ -71,13 +71,14 @@ def check_against_oracle(outputs, refs: list[OracleRun], exact: bool) -> None:
 
 
 def tiny_model_dir(tmp_path, arch: str, seed: int = 0, lm_head_scale: float = 1.0,
-                   vocab_size: int = 512) -> tuple[str, object]:
+                   vocab_size: int = 512, **overrides) -> tuple[str, object]:
     """Save a tiny random-weight Llama, Qwen3, Qwen3-MoE or Mixtral as a HF
     folder; return (path, HF model).
 
     The MoE models have 8 experts, top-2; Qwen3-MoE's middle layer keeps a
     dense MLP (mlp_only_layers), as some of its configs have. vocab_size:
-    SmolLM2's 49152 makes a (useless) draft model for it."""
+    SmolLM2's 49152 makes a (useless) draft model for it. overrides: other
+    config fields (e.g. num_attention_heads=8 for tensor parallelism)."""
     from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3Config,
                               Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
@@ -86,6 +87,7 @@ def tiny_model_dir(tmp_path, arch: str, seed: int = 0, lm_head_scale: float = 1.
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                   rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.3,
                   eos_token_id=1, bos_token_id=0, pad_token_id=0)
+    common.update(overrides)
     if arch == "llama":
         config = LlamaConfig(**common)
         model = LlamaForCausalLM(config)

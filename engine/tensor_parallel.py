@@ -1,0 +1,107 @@
+"""Tensor parallelism: one engine process per rank, torch.distributed
+between them (gloo on CPUs; NCCL on GPUs is the same code, not run yet).
+
+Rank 0 is the engine: it schedules, samples and talks to the world. The
+other ranks are worker processes (engine/tp_workers.py) that hold their
+shard of every layer and of the KV cache and run each step's plan, which
+rank 0 broadcasts as plain data (one broadcast a step). Inside the model
+(models/llama.py) attention heads, KV heads, MLP channels and the
+vocabulary are split across ranks: q/k/v and gate/up are column-parallel,
+o and down row-parallel with one all-reduce after each, the embedding and
+the LM head vocabulary-parallel.
+
+The group is one setting per process, like the kernel backend
+(kernels/ops.py): model code reads it when it is built and when it runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    rank: int = 0
+    world_size: int = 1
+
+
+_group = TPGroup()
+
+
+def tp_group() -> TPGroup:
+    return _group
+
+
+def init_tp(rank: int, world_size: int, init_method: str, backend: str = "gloo") -> None:
+    """Join the tensor-parallel group (blocks until every rank has joined)."""
+    global _group
+    if world_size > 1:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            raise RuntimeError("this process is in a tensor-parallel group already (one engine with "
+                               "--tensor-parallel-size above 1 per process): shut the other down first")
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    _group = TPGroup(rank, world_size)
+
+
+def destroy_tp() -> None:
+    global _group
+    if _group.world_size > 1:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    _group = TPGroup()
+
+
+def shard_size(total: int, what: str) -> int:
+    """This rank's share of `total` (heads, KV heads, channels), which the
+    world size must divide."""
+    world = _group.world_size
+    if total % world:
+        raise ValueError(f"--tensor-parallel-size {world} does not divide the model's {total} {what}")
+    return total // world
+
+
+def vocab_shard(vocab_size: int) -> tuple[int, int]:
+    """(first token id, ids per rank) of this rank's vocabulary slice; the
+    last slices are padded past the vocabulary when the world does not
+    divide it."""
+    per_rank = -(-vocab_size // _group.world_size)
+    return _group.rank * per_rank, per_rank
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """x summed over the ranks (in place); x itself without a group."""
+    if _group.world_size > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(x)
+    return x
+
+
+def all_gather_last(x: torch.Tensor) -> torch.Tensor:
+    """The ranks' x side by side along the last dimension, in rank order."""
+    if _group.world_size == 1:
+        return x
+    import torch.distributed as dist
+
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(_group.world_size)]
+    dist.all_gather(parts, x)
+    return torch.cat(parts, dim=-1)
+
+
+def broadcast_object(obj: Any = None) -> Any:
+    """Rank 0's obj on every rank (pickled: the step plan is plain data)."""
+    if _group.world_size == 1:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+

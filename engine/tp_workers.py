@@ -1,0 +1,121 @@
+"""The tensor-parallel ranks besides rank 0: one process each, started by
+the engine (rank 0), holding their shard of the weights and of the KV cache.
+
+A worker's life: join the group, load its shard (engine/loader.py's
+tp_shard), take rank 0's number of KV blocks, then run every plan rank 0
+broadcasts (prepare, forward: the same collectives in the same order as
+rank 0) until the plan is None. It exits when rank 0 says so or when rank 0
+is gone (a watchdog polls its parent: a broadcast would otherwise wait for
+it until gloo's timeout).
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import socket
+import threading
+import time
+
+from tandem.engine.config import ConfigError, EngineConfig
+from tandem.engine.tensor_parallel import broadcast_object, destroy_tp, init_tp
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _exit_with_parent(parent: int) -> None:
+    while True:
+        if os.getppid() != parent:
+            os._exit(0)
+        time.sleep(0.5)
+
+
+def _worker_main(rank: int, world_size: int, init_method: str, config: EngineConfig, parent: int) -> None:
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    # Each rank is one of N processes on the host's cores: torch's default
+    # thread count (all cores) in each would oversubscribe them N times.
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    init_tp(rank, world_size, init_method)
+    from tandem.engine.hub import HubSource
+    from tandem.engine.loader import load_model_info
+    from tandem.engine.model_runner import ModelRunner
+
+    mc = config.model
+    info = load_model_info(mc.model, mc.load_format, mc.hf_config, mc.tokenizer, mc.max_model_len,
+                           HubSource(mc.revision, mc.download_dir))
+    runner = ModelRunner(config, info)
+    runner.set_num_blocks(broadcast_object())
+    runner.bind_kv_cache()
+    while True:
+        plan = broadcast_object()
+        if plan is None:
+            break
+        runner.forward(runner.prepare(plan), plan)
+    destroy_tp()
+
+
+def check_tensor_parallel(config: EngineConfig, hf_config) -> None:
+    """What tensor parallelism is not built for yet, refused by name before
+    any process starts (EngineArgs refuses the flag combinations earlier)."""
+    from tandem.engine.models.moe import MOE_MODEL_TYPES
+
+    flag = f"--tensor-parallel-size {config.tensor_parallel_size}"
+    if config.resolved_device() != "cpu":
+        raise ConfigError(f"{flag}: tensor parallelism runs on CPUs only so far (gloo between the ranks); "
+                          f"it has not run on GPUs: use --device cpu, or --tensor-parallel-size 1 on a GPU")
+    if getattr(hf_config, "model_type", "") in MOE_MODEL_TYPES:
+        raise ConfigError(f"{flag}: mixture-of-experts models are not split across ranks yet")
+    if config.kv_transfer or config.speculative is not None or config.cache.swap_space_gib > 0:
+        raise ConfigError(f"{flag}: not with a KV transfer, speculative decoding or a host KV tier yet")
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    for total, what in ((heads, "attention heads"), (kv_heads, "KV heads"),
+                        (hf_config.intermediate_size, "MLP channels")):
+        if total % config.tensor_parallel_size:
+            raise ConfigError(f"{flag} does not divide the model's {total} {what}")
+
+
+class TPWorkers:
+    """Ranks 1..N-1 of an engine, and this process joined as rank 0."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        import torch
+
+        world = config.tensor_parallel_size
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        ctx = multiprocessing.get_context("spawn")  # a fork would copy this process's threads' locks
+        self.procs = [ctx.Process(target=_worker_main, name=f"tandem-tp-rank{rank}", daemon=True,
+                                  args=(rank, world, init_method, config, os.getpid()))
+                      for rank in range(1, world)]
+        for p in self.procs:
+            p.start()
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        log.info("tensor parallelism: %d ranks, workers %s", world, [p.pid for p in self.procs])
+        init_tp(0, world, init_method)
+
+    def share_num_blocks(self, num_blocks: int) -> None:
+        """Every rank sizes its KV cache as rank 0 did (their memory may differ)."""
+        broadcast_object(num_blocks)
+
+    def run(self, plan) -> None:
+        """Hand the step's plan to the workers; rank 0 then runs it too."""
+        broadcast_object(plan)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        try:
+            broadcast_object(None)
+        finally:
+            destroy_tp()
+            for p in self.procs:
+                p.join(timeout_s)
+                if p.is_alive():
+                    p.kill()
+

@@ -1,0 +1,84 @@
+"""Tensor parallelism on the CPU (engine/tensor_parallel.py, tp_workers.py):
+real rank processes joined over gloo, each holding its shard of the heads,
+KV heads, MLP channels and vocabulary; greedy output must be HF
+transformers' for a batch of eight prompts of mixed lengths, with chunked
+prefill and a prefix-cache hit, on tiny Llama and Qwen3 models with 8 heads
+(TP=2) and on the real SmolLM2 (9 heads, 3 KV heads: TP=3)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tandem.engine import LLM
+from tandem.engine.config import ConfigError, EngineArgs
+from tests.support.hf_oracle import check_against_oracle, hf_greedy, run_greedy, tiny_model_dir
+
+LENGTHS = [1, 5, 17, 33, 64, 150, 7, 90]
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def tiny8(request, tmp_path_factory):
+    path, hf = tiny_model_dir(tmp_path_factory.mktemp("tp"), request.param, num_attention_heads=8,
+                              num_key_value_heads=4)
+    rng = random.Random(7)
+    prefix = [rng.randrange(2, 512) for _ in range(40)]  # two full blocks and a part
+    prompts = [[rng.randrange(2, 512) for _ in range(n)] for n in LENGTHS]
+    prompts += [prefix + [rng.randrange(2, 512) for _ in range(5)]]
+    refs = [hf_greedy(hf, p, MAX_NEW, eos_token_id=None) for p in prompts]
+    prefix_prompt = prefix + [rng.randrange(2, 512) for _ in range(9)]
+    return {"path": path, "prompts": prompts, "refs": refs, "prefix_prompt": prefix_prompt,
+            "prefix_ref": hf_greedy(hf, prefix_prompt, MAX_NEW, eos_token_id=None)}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 40, "long_prefill_token_threshold": 24}],
+                         ids=["plain", "chunked"])
+def test_tp2_tiny_models_match_hf(tiny8, options):
+    llm = LLM(tiny8["path"], tensor_parallel_size=2, **options)
+    try:
+        workers = llm.engine.tp_workers.procs
+        assert len(workers) == 1 and workers[0].is_alive()  # rank 1 is a process of its own
+        runner = llm.engine.runner
+        layer = runner.model.model.layers[0]
+        assert layer.self_attn.num_heads == 4 and layer.self_attn.num_kv_heads == 2  # half of 8 and 4
+        assert runner.layout.num_kv_heads == 2
+        check_against_oracle(run_greedy(llm, tiny8["prompts"], MAX_NEW), tiny8["refs"], exact=False)
+        # the last prompt's first 32 tokens are cached now: this one starts from a prefix hit
+        outs = run_greedy(llm, [tiny8["prefix_prompt"]], MAX_NEW)
+        assert outs[0].num_cached_tokens == 32
+        check_against_oracle(outs, [tiny8["prefix_ref"]], exact=False)
+    finally:
+        llm.shutdown()
+    for p in workers:
+        p.join(10)
+        assert not p.is_alive()
+
+
+@pytest.mark.timeout(300)
+def test_tp3_smollm2_matches_hf():
+    from tests.support.hf_oracle import embedded_hf_model
+
+    hf, tok = embedded_hf_model()
+    prompts = [tok(t)["input_ids"] for t in ("The capital of France is", "Water boils at",
+                                              "def fibonacci(n):", "Once upon a time, in a quiet village,")]
+    refs = [hf_greedy(hf, p, 16, eos_token_id=None) for p in prompts]
+    del hf
+    llm = LLM("smollm2", tensor_parallel_size=3, num_blocks=256)
+    try:
+        assert llm.engine.runner.model.model.layers[0].self_attn.num_heads == 3  # 9 heads / 3
+        check_against_oracle(run_greedy(llm, prompts, 16), refs, exact=False)
+    finally:
+        llm.shutdown()
+
+
+def test_tensor_parallel_refuses_what_it_is_not_built_for(tmp_path):
+    for kwargs, flag in [({"kv_transfer": "direct"}, "--kv-transfer"),
+                         ({"swap_space": 1.0}, "--swap-space"),
+                         ({"device": "cuda"}, "GPUs")]:
+        with pytest.raises(ConfigError, match=flag):
+            EngineArgs(tensor_parallel_size=2, **kwargs).create_engine_config()
+    path, _ = tiny_model_dir(tmp_path, "llama")  # 4 heads, 2 KV heads
+    with pytest.raises(ConfigError, match="does not divide the model's 4 attention heads"):
+        LLM(path, tensor_parallel_size=3)
