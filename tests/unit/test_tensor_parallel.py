@@ -18,7 +18,11 @@ LENGTHS = [1, 5, 17, 33, 64, 150, 7, 90]
 MAX_NEW = 12
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+# Each case starts rank processes (seconds each): Llama without chunks, Qwen3 in chunks.
+CASES = {"llama": {}, "qwen3": {"max_num_batched_tokens": 40, "long_prefill_token_threshold": 24}}
+
+
+@pytest.fixture(scope="module", params=list(CASES), ids=["llama-plain", "qwen3-chunked"])
 def tiny8(request, tmp_path_factory):
     path, hf = tiny_model_dir(tmp_path_factory.mktemp("tp"), request.param, num_attention_heads=8,
                               num_key_value_heads=4)
@@ -28,15 +32,14 @@ def tiny8(request, tmp_path_factory):
     prompts += [prefix + [rng.randrange(2, 512) for _ in range(5)]]
     refs = [hf_greedy(hf, p, MAX_NEW, eos_token_id=None) for p in prompts]
     prefix_prompt = prefix + [rng.randrange(2, 512) for _ in range(9)]
-    return {"path": path, "prompts": prompts, "refs": refs, "prefix_prompt": prefix_prompt,
+    return {"path": path, "options": CASES[request.param], "prompts": prompts, "refs": refs,
+            "prefix_prompt": prefix_prompt,
             "prefix_ref": hf_greedy(hf, prefix_prompt, MAX_NEW, eos_token_id=None)}
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 40, "long_prefill_token_threshold": 24}],
-                         ids=["plain", "chunked"])
-def test_tp2_tiny_models_match_hf(tiny8, options):
-    llm = LLM(tiny8["path"], tensor_parallel_size=2, **options)
+def test_tp2_tiny_models_match_hf(tiny8):
+    llm = LLM(tiny8["path"], tensor_parallel_size=2, **tiny8["options"])
     try:
         workers = llm.engine.tp_workers.procs
         assert len(workers) == 1 and workers[0].is_alive()  # rank 1 is a process of its own
