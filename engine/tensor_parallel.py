@@ -15,6 +15,7 @@ The group is one setting per process, like the kernel backend
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +44,12 @@ def init_tp(rank: int, world_size: int, init_method: str, backend: str = "gloo")
         if dist.is_initialized():
             raise RuntimeError("this process is in a tensor-parallel group already (one engine with "
                                "--tensor-parallel-size above 1 per process): shut the other down first")
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+        # No deadline on collectives: a worker waits for rank 0's next plan
+        # however long the engine idles. A rank that dies closes its sockets,
+        # which fails the others' collectives at once (tp_workers.py also
+        # checks the workers before each step).
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(days=365))
     _group = TPGroup(rank, world_size)
 
 

@@ -106,12 +106,20 @@ class TPWorkers:
         broadcast_object(num_blocks)
 
     def run(self, plan) -> None:
-        """Hand the step's plan to the workers; rank 0 then runs it too."""
+        """Hand the step's plan to the workers; rank 0 then runs it too. A
+        worker that is gone fails the step (and so the engine, loudly)
+        rather than leaving rank 0 waiting in a collective."""
+        dead = [p.name for p in self.procs if not p.is_alive()]
+        if dead:
+            raise RuntimeError(f"tensor-parallel worker(s) {', '.join(dead)} exited; the engine cannot step")
         broadcast_object(plan)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         try:
-            broadcast_object(None)
+            if all(p.is_alive() for p in self.procs):
+                broadcast_object(None)
+        except RuntimeError as exc:  # a rank went away meanwhile: the others are killed below
+            log.warning("tensor-parallel workers did not take the stop: %s", exc)
         finally:
             destroy_tp()
             for p in self.procs:

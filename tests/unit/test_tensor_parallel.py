@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from tandem.engine import LLM
+from tandem.engine import LLM, SamplingParams
 from tandem.engine.config import ConfigError, EngineArgs
 from tests.support.hf_oracle import check_against_oracle, hf_greedy, run_greedy, tiny_model_dir
 
@@ -85,3 +85,17 @@ def test_tensor_parallel_refuses_what_it_is_not_built_for(tmp_path):
     path, _ = tiny_model_dir(tmp_path, "llama")  # 4 heads, 2 KV heads
     with pytest.raises(ConfigError, match="does not divide the model's 4 attention heads"):
         LLM(path, tensor_parallel_size=3)
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_rank_fails_the_step_instead_of_hanging(tmp_path):
+    path, _ = tiny_model_dir(tmp_path, "llama")  # 4 heads, 2 KV heads: TP=2
+    llm = LLM(path, tensor_parallel_size=2)
+    try:
+        worker = llm.engine.tp_workers.procs[0]
+        worker.kill()
+        worker.join(10)
+        with pytest.raises(RuntimeError, match="tandem-tp-rank1 exited"):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+    finally:
+        llm.shutdown()
