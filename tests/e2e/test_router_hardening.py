@@ -77,8 +77,10 @@ def test_a_4mb_prompt_being_tokenized_does_not_stall_another_stream(tandem_stack
     assert gaps and marks[-1] > window["end"], "the stream ended before the big prompt was through"
     # The limit tells the designs apart with room for a busy 2-core machine:
     # tokenizing on the event loop stalled this stream 2.5-3 s, in a thread
-    # 340-520 ms, in a worker process 60-110 ms (services/router/prompts.py).
-    assert max(gaps) < 0.200, (f"a gap of {max(gaps) * 1000:.0f} ms while the 4 MB prompt was "
+    # 340-520 ms, in a worker process 60-110 ms (services/router/prompts.py),
+    # and once 200 ms in a whole `make test` run on the dev machine
+    # (2026-11-26, the prompt taking 15.3 s: the host busier than usual).
+    assert max(gaps) < 0.250, (f"a gap of {max(gaps) * 1000:.0f} ms while the 4 MB prompt was "
                                f"tokenized ({window['end'] - window['start']:.1f} s)")
 
 
