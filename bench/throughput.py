@@ -1,5 +1,8 @@
 """`tandem bench throughput`: offline tokens/s of the engine against HF
-transformers `generate` on the same prompts and the same output lengths."""
+transformers `generate` on the same prompts and the same output lengths, and
+the engine's fraction of the compute roofline (bench/roofline.py: the
+workload's arithmetic at this device's matmul peak, measured in the same run,
+against the time it took)."""
 from __future__ import annotations
 
 import argparse
@@ -35,7 +38,10 @@ def register(subparsers) -> None:
         "throughput", help="offline throughput: engine vs HF transformers generate",
         description="Generates the same seeded prompts with the tandem engine and with HF "
                     "transformers `generate` (greedy, fixed output length, EOS ignored) and prints "
-                    "output tokens/s of each and their ratio.")
+                    "output tokens/s of each and their ratio, and the engine's fraction of the compute "
+                    "roofline: 2 x parameters x (prompt + output tokens) FLOPs at this device's matmul "
+                    "peak in the engine's precision (bf16, or FP8 with --quantization fp8), measured in "
+                    "the same run, against the time the engine took.")
     p.add_argument("--preset", default=None,
                    help="dummy weights of this architecture instead of --model: llama-3-8b, qwen3-0.6b")
     p.add_argument("--num-prompts", type=int, default=64)
@@ -179,12 +185,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"{ours.system}: {ours.output_tokens_per_s:.1f} output tok/s in {ours.seconds:.2f} s",
               file=sys.stderr)
         results.append(ours)
+    # Before the HF baseline, which takes the engine's memory: the engine's
+    # first pass against this device's matmul peak, measured now.
+    roofline = _roofline(llm, results[0])
     if not args.no_hf:
         print("running the HF transformers baseline ...", file=sys.stderr)
         results.append(run_hf(args, prompts, output_lens, llm))
     print(f"{'system':<18}{'seconds':>10}{'output tok/s':>15}{'total tok/s':>14}")
     for r in results:
         print(f"{r.system:<18}{r.seconds:>10.2f}{r.output_tokens_per_s:>15.1f}{r.total_tokens_per_s:>14.1f}")
+    print(f"compute roofline: {roofline.workload_flops / 1e12:.3g} TFLOP of arithmetic (2 x parameters x "
+          f"tokens) at the {roofline.peak_flops / 1e12:.3g} TFLOP/s {roofline.precision} matmul peak measured "
+          f"now = {roofline.workload_flops / roofline.peak_flops:.2f} s; took {roofline.seconds:.2f} s: "
+          f"{roofline.fraction:.2f} of the roofline")
     ratio: Optional[float] = None
     if results[-1].system == "hf-transformers":
         ratio = results[0].output_tokens_per_s / results[-1].output_tokens_per_s
@@ -197,8 +210,17 @@ def run(args: argparse.Namespace) -> int:
         with open(args.output_json, "w") as f:
             json.dump({"args": vars(args) | {"handler": None},
                        "results": [asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in results],
-                       "ratio": ratio, "structured_slowdown": slowdown}, f, indent=2)
+                       "ratio": ratio, "structured_slowdown": slowdown,
+                       "roofline": asdict(roofline) | {"fraction": roofline.fraction}}, f, indent=2)
     return 0
+
+
+def _roofline(llm, result: ThroughputResult):
+    from tandem.bench.roofline import measure
+
+    runner = llm.engine.runner
+    return measure(runner.model, runner.device, runner.dtype, runner.quantization == "fp8",
+                   result.input_tokens + result.output_tokens, result.seconds)
 
 
 def main(argv: list[str] | None = None) -> int:

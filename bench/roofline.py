@@ -1,0 +1,87 @@
+"""The compute roofline of an offline run: the workload's arithmetic
+(2 FLOPs per parameter per token, prompt and output tokens alike: each passes
+through every weight once) against the matrix-multiply peak of this device
+in the engine's precision, measured in the same run.
+
+fraction = (FLOPs / peak) / measured seconds: 1.0 would be a run that did
+nothing but full-speed matrix products. Attention's own arithmetic is left
+out, as in the issue's figure (2 x 8.03 B parameters x tokens), so the
+fraction reads the same across context lengths.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Roofline:
+    peak_flops: float  # FLOP/s of a large matmul, measured
+    workload_flops: float
+    seconds: float  # the run's measured time
+    precision: str
+
+    @property
+    def fraction(self) -> float:
+        return self.workload_flops / self.peak_flops / self.seconds
+
+
+def model_parameters(model: torch.nn.Module) -> int:
+    """Parameters a token multiplies by: every tensor once (a tied LM head
+    counts once), FP8 scales left out."""
+    seen, total = set(), 0
+    for name, p in model.named_parameters():
+        if id(p) in seen or name.endswith("weight_scale"):
+            continue
+        seen.add(id(p))
+        total += p.numel()
+    return total
+
+
+def matmul_peak_flops(device: torch.device, dtype: torch.dtype, fp8: bool = False) -> float:
+    """FLOP/s of a square matmul large enough to fill the device (the best of
+    ten timed after three warm-ups; CUDA events on a GPU): in bf16/fp16/fp32
+    as the engine's dtype, or e4m3 through torch._scaled_mm for FP8 engines."""
+    n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    if fp8:
+        from tandem.kernels.fp8_torch import FP8_DTYPE
+
+        a8, b8 = a.to(FP8_DTYPE), b.to(FP8_DTYPE).t().contiguous().t()
+        ones_a = torch.ones(n, 1, device=device)
+        ones_b = torch.ones(1, n, device=device)
+
+        def product():
+            return torch._scaled_mm(a8, b8, scale_a=ones_a, scale_b=ones_b, out_dtype=torch.bfloat16)
+    else:
+        def product():
+            return a @ b
+    times = []
+    for i in range(13):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            product()
+            end.record()
+            torch.cuda.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            product()
+            seconds = time.perf_counter() - t0
+        if i >= 3:
+            times.append(seconds)
+    return 2 * n ** 3 / min(times) if times else float("nan")
+
+
+def measure(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, fp8: bool, tokens: int,
+            seconds: float) -> Roofline:
+    precision = "fp8" if fp8 else str(dtype).removeprefix("torch.")
+    return Roofline(matmul_peak_flops(device, dtype, fp8), 2.0 * model_parameters(model) * tokens, seconds,
+                    precision)
+
+
+__all__ = ["Roofline", "matmul_peak_flops", "measure", "model_parameters"]

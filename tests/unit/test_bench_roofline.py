@@ -1,0 +1,48 @@
+"""`tandem bench throughput`'s compute roofline (bench/roofline.py): the
+workload's FLOPs count each parameter once (a tied LM head is the embedding),
+and a run reports its fraction beside tokens/s, measured in the same run."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from tandem.bench.roofline import Roofline, matmul_peak_flops, model_parameters
+
+
+def test_parameters_count_a_tied_head_once_and_leave_fp8_scales_out():
+    embed = torch.nn.Embedding(100, 8)
+    model = torch.nn.Module()
+    model.embed = embed
+    model.head = torch.nn.Linear(8, 100, bias=False)
+    model.head.weight = embed.weight
+    model.proj = torch.nn.Linear(8, 8, bias=False)
+    model.proj.weight_scale = torch.nn.Parameter(torch.ones(8), requires_grad=False)
+    assert model_parameters(model) == 100 * 8 + 8 * 8
+
+
+def test_fraction_is_the_roofline_time_over_the_measured_time():
+    r = Roofline(peak_flops=1e12, workload_flops=5e11, seconds=2.0, precision="bfloat16")
+    assert r.fraction == 0.25
+
+
+def test_cpu_matmul_peak_is_a_positive_rate():
+    peak = matmul_peak_flops(torch.device("cpu"), torch.float32)
+    assert 1e8 < peak < 1e14
+
+
+def test_bench_throughput_reports_the_roofline(tmp_path):
+    out = tmp_path / "t.json"
+    proc = subprocess.run([sys.executable, "-m", "tandem.bench.throughput", "--num-prompts", "4",
+                           "--input-len", "8", "16", "--output-len", "4", "--no-hf", "--output-json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "of the roofline" in proc.stdout
+    roofline = json.loads(out.read_text())["roofline"]
+    tokens = json.loads(out.read_text())["results"][0]
+    assert roofline["precision"] == "float32"  # the CPU engine's dtype
+    # SmolLM2-135M: 134.5M parameters (its LM head is its embedding)
+    assert roofline["workload_flops"] == 2 * 134_515_008 * (tokens["input_tokens"] + tokens["output_tokens"])
+    assert 0 < roofline["fraction"] < 1.5
