@@ -1,5 +1,6 @@
 """Tensor parallelism: one engine process per rank, torch.distributed
-between them (gloo on CPUs; NCCL on GPUs is the same code, not run yet).
+between them (gloo, on CPUs; GPU engines refuse it until NCCL and a device
+per rank are added and run).
 
 Rank 0 is the engine: it schedules, samples and talks to the world. The
 other ranks are worker processes (engine/tp_workers.py) that hold their

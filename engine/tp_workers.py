@@ -5,8 +5,8 @@ A worker's life: join the group, load its shard (engine/loader.py's
 tp_shard), take rank 0's number of KV blocks, then run every plan rank 0
 broadcasts (prepare, forward: the same collectives in the same order as
 rank 0) until the plan is None. It exits when rank 0 says so or when rank 0
-is gone (a watchdog polls its parent: a broadcast would otherwise wait for
-it until gloo's timeout).
+is gone (a watchdog polls its parent: collectives have no deadline, so a
+broadcast would otherwise wait for it forever).
 """
 from __future__ import annotations
 
