@@ -18,11 +18,12 @@ Exit status 0 when every case agrees; the last line says how many were checked.
 """
 from __future__ import annotations
 
-import argparse
 import sys
+from typing import Iterator
 
 import torch
 
+from tandem.kernels.check_runner import Case, check_parser, relative_error, run_checks
 from tandem.kernels.fp8_torch import fp8_linear_torch, quantize_rows_torch, quantize_weight
 
 # Relative to the reference's largest magnitude. Both sides sum the same
@@ -40,15 +41,10 @@ SHAPES = ((1, 256, 96, False), (1, 200, 40, True), (3, 200, 80, True), (8, 512, 
 LLAMA_8B_LAYERS = (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096))
 
 
-def _err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.float() - ref.float()).abs().max()) / max(float(ref.float().abs().max()), 1e-6)
-
-
-def check(device: str) -> tuple[int, int]:
+def cases(device: str) -> Iterator[Case]:
     from tandem.kernels.fp8_triton import fp8_gemv, fp8_linear_cuda, fp8_skinny_gemm, quantize_rows_triton
 
     gen = torch.Generator().manual_seed(0)
-    failed = total = 0
     dtypes = (torch.bfloat16,) if device == "cuda" else (torch.float32, torch.bfloat16)
     for rows, k, n, has_bias in SHAPES:
         for dtype in dtypes:
@@ -58,6 +54,7 @@ def check(device: str) -> tuple[int, int]:
             wq, ws = quantize_weight(w)
             ref = fp8_linear_torch(x, wq, ws, bias)
             q, xs = quantize_rows_torch(x)
+            shape = f"rows={rows} k={k} n={n} bias={has_bias} {str(dtype)[6:]}"
             results = {"skinny": fp8_skinny_gemm(q, xs, wq, ws, bias, dtype),
                        "gemv": fp8_gemv(q, xs, wq, ws, bias, dtype)}
             if device == "cuda":
@@ -65,24 +62,17 @@ def check(device: str) -> tuple[int, int]:
                     results["fp8 gemm"] = fp8_linear_cuda(x, wq, ws, bias, skinny=False)
                 results["layer"] = fp8_linear_cuda(x, wq, ws, bias)
                 tq, txs = quantize_rows_triton(x)
-                results["quantizer scales"] = txs
-                ref_q = {"quantizer scales": xs}
+                err = relative_error(txs, xs)
+                yield f"quantizer scales {shape}", (err <= TOLERANCE[dtype], err)
+                # values: at most one e4m3 step apart (the last bit of a division)
                 diff = (tq.float() - q.float()).abs()
-                results_ok_q = bool((diff <= q.float().abs() / 8 + 2.0 ** -9).all())
-                total += 1
-                if not results_ok_q:
-                    failed += 1
-                    print(f"FAIL quantizer values rows={rows} k={k}: {int((diff > 0).sum())} differ")
+                yield (f"quantizer values {shape} ({int((diff > 0).sum())} differ)",
+                       (bool((diff <= q.float().abs() / 8 + 2.0 ** -9).all()), float(diff.max())))
             for name, out in results.items():
-                total += 1
-                reference = ref_q[name] if name == "quantizer scales" else ref
-                err = _err(out, reference)
+                err = relative_error(out, ref)
                 # "layer": whichever path the layer picks, the FP8 GEMM's included
-                ok = err <= (FP8_GEMM_TOLERANCE if name in ("fp8 gemm", "layer") else TOLERANCE[dtype])
-                failed += not ok
-                print(f"{'ok  ' if ok else 'FAIL'} {name:<16} rows={rows:<3} k={k:<4} n={n:<4} bias={has_bias!s:<5} "
-                      f"{str(dtype)[6:]:<9} rel err {err:.2e}")
-    return total, failed
+                yield f"{name} {shape}", (err <= (FP8_GEMM_TOLERANCE if name in ("fp8 gemm", "layer")
+                                                  else TOLERANCE[dtype]), err)
 
 
 def bench() -> None:
@@ -115,16 +105,14 @@ def bench() -> None:
                   + f"  best {best[1]} {cells['bf16'] / best[0]:.2f}x bf16")
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+def main(argv: list[str] | None = None) -> int:
+    parser = check_parser("tandem.kernels.fp8_check", __doc__)
     parser.add_argument("--bench", action="store_true", help="also time the layers of an 8B Llama (CUDA)")
     args = parser.parse_args(argv)
-    total, failed = check(args.device)
+    status = run_checks(cases, args.device)
     if args.bench and args.device == "cuda":
         bench()
-    print(f"{total} cases, {failed} failed")
-    return 1 if failed else 0
+    return status
 
 
 if __name__ == "__main__":

@@ -10,12 +10,11 @@ Exit status 0 when every case agrees; the last line says how many were checked.
 """
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 
 import torch
 
+from tandem.kernels.check_runner import check_parser, relative_error, run_checks
 from tandem.kernels.fused_moe_torch import fused_moe_torch
 from tandem.kernels.layer_ops_check import TOLERANCE
 
@@ -29,7 +28,7 @@ MOE_TOLERANCE = {**TOLERANCE, torch.bfloat16: 2 ** -5}
 
 
 def close(out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
-    err = float((out.float() - ref.float()).abs().max()) / max(float(ref.float().abs().max()), 1e-6)
+    err = relative_error(out, ref)
     return err <= MOE_TOLERANCE[ref.dtype], err
 
 # (tokens, experts, top_k, hidden, intermediate, routing)
@@ -80,21 +79,7 @@ def cases(device: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tandem.kernels.fused_moe_check",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
-    args = p.parse_args(argv)
-    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        print("error: Triton kernels run on the CPU only under TRITON_INTERPRET=1", file=sys.stderr)
-        return 2
-    failed = total = 0
-    for name, (ok, err) in cases(args.device):
-        total += 1
-        if not ok:
-            failed += 1
-            print(f"FAIL {name}: relative error {err:.2e}")
-    print(f"checked {total} cases, {failed} failed")
-    return 1 if failed else 0
+    return run_checks(cases, check_parser("tandem.kernels.fused_moe_check", __doc__).parse_args(argv).device)
 
 
 if __name__ == "__main__":

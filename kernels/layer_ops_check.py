@@ -10,12 +10,11 @@ Exit status 0 when every case agrees; the last line says how many were checked.
 """
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 
 import torch
 
+from tandem.kernels.check_runner import check_parser, relative_error, run_checks
 from tandem.kernels.layer_ops_torch import rms_norm_torch, rotary_torch, silu_and_mul_torch
 
 # Agreement relative to the largest magnitude of the reference: a rounding step of the dtype
@@ -26,7 +25,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2 ** -6, torch.float16: 2 ** -
 
 
 def close(out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
-    err = float((out.float() - ref.float()).abs().max()) / max(float(ref.float().abs().max()), 1e-6)
+    err = relative_error(out, ref)
     return err <= TOLERANCE[ref.dtype], err
 
 
@@ -72,20 +71,7 @@ def cases(device: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tandem.kernels.layer_ops_check", description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
-    args = p.parse_args(argv)
-    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        print("error: Triton kernels run on the CPU only under TRITON_INTERPRET=1", file=sys.stderr)
-        return 2
-    failed = total = 0
-    for name, (ok, err) in cases(args.device):
-        total += 1
-        if not ok:
-            failed += 1
-            print(f"FAIL {name}: relative error {err:.2e}")
-    print(f"checked {total} cases, {failed} failed")
-    return 1 if failed else 0
+    return run_checks(cases, check_parser("tandem.kernels.layer_ops_check", __doc__).parse_args(argv).device)
 
 
 if __name__ == "__main__":
