@@ -28,6 +28,17 @@ def run_selfcheck(*args: str, interpret: bool = True) -> subprocess.CompletedPro
                            *args], env=env, capture_output=True, text=True, timeout=240)
 
 
+def run_check_module(module: str, timeout_s: int) -> str:
+    """`python -m tandem.kernels.<module> --device cpu` under the interpreter,
+    asserted to have exited 0: its standard output."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", f"tandem.kernels.{module}", "--device", "cpu"],
+                          env=env, capture_output=True, text=True, timeout=timeout_s)
+    report = proc.stdout + proc.stderr
+    assert proc.returncode == 0, report
+    return proc.stdout
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_triton_kernels_match_torch_twins_under_interpreter(seed: int) -> None:
@@ -53,12 +64,8 @@ def test_selfcheck_refuses_cpu_without_interpreter() -> None:
 def test_layer_op_kernels_match_torch_twins_under_interpreter() -> None:
     # RMSNorm (plain, with the residual add, per head on a strided view), rotary
     # embedding on views of a fused QKV row, SiLU-and-multiply; fp32/bf16/fp16.
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "tandem.kernels.layer_ops_check", "--device", "cpu"],
-                          env=env, capture_output=True, text=True, timeout=240)
-    report = proc.stdout + proc.stderr
-    assert proc.returncode == 0, report
-    assert "checked 51 cases, 0 failed" in proc.stdout, report
+    out = run_check_module("layer_ops_check", timeout_s=240)
+    assert "checked 51 cases, 0 failed" in out, out
 
 
 @pytest.mark.timeout(120)
@@ -66,21 +73,14 @@ def test_fused_moe_kernels_match_torch_twin_under_interpreter() -> None:
     # Grouped gate/up and down GEMMs over expert-sorted rows: 2-8 experts,
     # top-k 1, 2 and 3, an expert with no rows, experts taking every row, one
     # token and none, 64-row tiles with padding; fp32 and bf16.
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "tandem.kernels.fused_moe_check", "--device", "cpu"],
-                          env=env, capture_output=True, text=True, timeout=100)
-    report = proc.stdout + proc.stderr
-    assert proc.returncode == 0, report
-    assert "checked 14 cases, 0 failed" in proc.stdout, report
+    out = run_check_module("fused_moe_check", timeout_s=100)
+    assert "checked 14 cases, 0 failed" in out, out
 
 
 @pytest.mark.timeout(120)
-def test_fp8_skinny_gemm_matches_the_dequantizing_twin_under_interpreter() -> None:
-    # The decode-batch FP8 GEMM (kernels/fp8_triton.py) at 1-64 rows, widths
-    # that are not multiples of its tiles, with and without bias; fp32 and bf16.
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "tandem.kernels.fp8_check", "--device", "cpu"],
-                          env=env, capture_output=True, text=True, timeout=100)
-    report = proc.stdout + proc.stderr
-    assert proc.returncode == 0, report
-    assert "28 cases, 0 failed" in proc.stdout, report
+def test_fp8_triton_gemms_match_the_dequantizing_twin_under_interpreter() -> None:
+    # The one-row GEMV and the skinny GEMM (kernels/fp8_triton.py) at 1-150
+    # rows, widths that are not multiples of their tiles, with and without
+    # bias; fp32 and bf16.
+    out = run_check_module("fp8_check", timeout_s=100)
+    assert "28 cases, 0 failed" in out, out
