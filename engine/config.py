@@ -120,6 +120,23 @@ class EngineConfig:
         return dataclasses.replace(self, scheduler=dataclasses.replace(
             self.scheduler, max_num_batched_tokens=budget))
 
+    def check_tensor_parallel(self, device: str) -> None:
+        """What tensor parallelism is not built for yet, refused by name.
+        device: the --device setting (EngineArgs), or the one resolved at start
+        (the engine: "auto" on a GPU host is cuda)."""
+        if self.tensor_parallel_size <= 1:
+            return
+        if device == "cuda":
+            raise ConfigError("--tensor-parallel-size above 1 runs on CPUs only so far (gloo between "
+                              "the ranks); it has not run on GPUs: use --device cpu, or 1 on a GPU")
+        others = [("--kv-transfer", self.kv_transfer is not None),
+                  ("--speculative-config", self.speculative is not None),
+                  ("--swap-space", self.cache.swap_space_gib > 0)]
+        for flag, given in others:
+            if given:
+                raise ConfigError(f"--tensor-parallel-size above 1 does not work with {flag} yet: drop "
+                                  f"one of the two")
+
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
@@ -315,7 +332,7 @@ class EngineArgs:
         if self.kv_transfer == "store" and not self.kv_store and not kv_store_injected:
             raise ConfigError("--kv-transfer store needs --kv-store HOST:PORT, the KV store "
                               "service's address")
-        return EngineConfig(
+        config = EngineConfig(
             model=ModelConfig(model=self.model, load_format=self.load_format, dtype=self.dtype,
                               max_model_len=self.max_model_len, quantization=self.quantization,
                               seed=self.seed,
@@ -340,6 +357,8 @@ class EngineArgs:
             speculative=self._speculative(),
             tensor_parallel_size=self.tensor_parallel_size,
         )
+        config.check_tensor_parallel(self.device)
+        return config
 
     def _speculative(self) -> Optional[SpeculativeConfig]:
         try:
@@ -358,8 +377,6 @@ class EngineArgs:
             if spec.choices is not None and value not in spec.choices:
                 raise ConfigError(f"{spec.flag}: {value!r} is not one of "
                                   + ", ".join(map(str, spec.choices)))
-        if self.tensor_parallel_size > 1:
-            self._check_tensor_parallel()
         positive = ("tensor_parallel_size", "block_size", "num_blocks", "max_model_len", "max_num_batched_tokens",
                     "max_num_seqs", "staging_queue_size", "cpu_kv_cache_gib", "kv_hold_timeout",
                     "kv_staging_gib")
@@ -381,20 +398,6 @@ class EngineArgs:
         if self.attention_backend == "triton" and self.device == "cpu":
             raise ConfigError("--attention-backend triton needs CUDA, and --device is cpu: use "
                               "--attention-backend auto or torch")
-
-
-    def _check_tensor_parallel(self) -> None:
-        """What tensor parallelism is not built for yet, refused by name."""
-        if self.device == "cuda":
-            raise ConfigError("--tensor-parallel-size above 1 runs on CPUs only so far (gloo between "
-                              "the ranks); it has not run on GPUs: use --device cpu, or 1 on a GPU")
-        others = [("--kv-transfer", self.kv_transfer not in (None, "none")),
-                  ("--speculative-config", bool(self.speculative_config)),
-                  ("--swap-space", self.swap_space > 0)]
-        for flag, given in others:
-            if given:
-                raise ConfigError(f"--tensor-parallel-size above 1 does not work with {flag} yet: drop "
-                                  f"one of the two")
 
 
 _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}

@@ -64,17 +64,15 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: EngineCon
 
 def check_tensor_parallel(config: EngineConfig, hf_config) -> None:
     """What tensor parallelism is not built for yet, refused by name before
-    any process starts (EngineArgs refuses the flag combinations earlier)."""
+    any process starts: the settings' part (EngineConfig's, which EngineArgs
+    runs earlier with the --device setting) on the device resolved now, then
+    the model's."""
     from tandem.engine.models.moe import MOE_MODEL_TYPES
 
+    config.check_tensor_parallel(config.resolved_device())
     flag = f"--tensor-parallel-size {config.tensor_parallel_size}"
-    if config.resolved_device() != "cpu":
-        raise ConfigError(f"{flag}: tensor parallelism runs on CPUs only so far (gloo between the ranks); "
-                          f"it has not run on GPUs: use --device cpu, or --tensor-parallel-size 1 on a GPU")
     if getattr(hf_config, "model_type", "") in MOE_MODEL_TYPES:
         raise ConfigError(f"{flag}: mixture-of-experts models are not split across ranks yet")
-    if config.kv_transfer or config.speculative is not None or config.cache.swap_space_gib > 0:
-        raise ConfigError(f"{flag}: not with a KV transfer, speculative decoding or a host KV tier yet")
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     for total, what in ((heads, "attention heads"), (kv_heads, "KV heads"),
