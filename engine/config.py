@@ -129,8 +129,11 @@ class EngineConfig:
         if device == "cuda":
             raise ConfigError("--tensor-parallel-size above 1 runs on CPUs only so far (gloo between "
                               "the ranks); it has not run on GPUs: use --device cpu, or 1 on a GPU")
-        others = [("--kv-transfer", self.kv_transfer is not None),
-                  ("--speculative-config", self.speculative is not None),
+        if self.kv_transfer not in (None, "store"):
+            # Their handles point into one process's cache; a rank holds a slice of the heads.
+            raise ConfigError(f"--tensor-parallel-size above 1 does not work with --kv-transfer "
+                              f"{self.kv_transfer} yet: use --kv-transfer store")
+        others = [("--speculative-config", self.speculative is not None),
                   ("--swap-space", self.cache.swap_space_gib > 0)]
         for flag, given in others:
             if given:
@@ -248,8 +251,9 @@ class EngineArgs:
         1, "engine processes the model is split across (tensor parallelism: attention heads, KV "
         "heads, MLP channels and the vocabulary divided among them; this process is rank 0 and "
         "starts the others). Above 1: CPU engines only so far (gloo), dense models whose head, "
-        "KV head and MLP channel counts it divides; not with --kv-transfer, --speculative-config "
-        "or --swap-space yet", group=_RUNTIME, metavar="N")
+        "KV head and MLP channel counts it divides; with --kv-transfer store (an engine of any "
+        "size loads the blocks one of any other saved), not with --kv-transfer direct or nixl, "
+        "--speculative-config or --swap-space yet", group=_RUNTIME, metavar="N")
     attention_backend: AttentionBackend = flag_field(
         "auto", "kernels on CUDA: auto or triton run the Triton kernels; torch runs their "
         "plain-torch twins (for debugging), and then decode runs without CUDA graphs, since the "

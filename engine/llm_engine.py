@@ -9,6 +9,7 @@ the asyncio wrapper for services lives in async_engine.py, the offline
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -126,11 +127,15 @@ class LLMEngine:
         if self.tp_workers is not None:
             self.tp_workers.share_num_blocks(self.runner.num_blocks)
         layout = self.runner.layout
-        self.connector = (kv_connector(config.kv_role, layout) if kv_connector is not None
-                          else self._make_connector(layout, kv_store))
+        # A connector moves whole blocks, every KV head, whatever the tensor
+        # parallelism (engine/tp_kv.py): rank 0 holds a slice of the heads.
+        connector_layout = dataclasses.replace(layout, num_kv_heads=layout.num_kv_heads * config.tensor_parallel_size)
+        self.connector = (kv_connector(config.kv_role, connector_layout) if kv_connector is not None
+                          else self._make_connector(connector_layout, kv_store))
         self.runner.bind_kv_cache(self.connector.allocate_kv_cache() if self.connector else None)
         if self.connector is not None:
-            self.connector.register_kv_cache(self.runner.kv_cache)
+            view = self.tp_workers.cache_view(self.runner.kv_cache) if self.tp_workers is not None else None
+            self.connector.register_kv_cache(self.runner.kv_cache, view)
         self.kv = KVCacheManager(layout.num_blocks, layout.block_size, config.cache.enable_prefix_caching,
                                  hash_extra=layout.model_key.encode())
         capacity = (layout.num_blocks - 1) * layout.block_size
@@ -336,6 +341,8 @@ class LLMEngine:
                 before_layer = connector.wait_for_layer_load
             if meta.saves:
                 after_layer = lambda layer: connector.save_layer(layer, meta)  # noqa: E731
+                if self.tp_workers is not None:  # the other ranks' heads of the saved blocks first
+                    after_layer = self.tp_workers.gathering(after_layer, meta.saved_block_ids())
         t1_loaded = clock()  # the host tier's copies and the connector's loads count in no phase
         if self.tp_workers is not None:
             self.tp_workers.run(plan)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -100,6 +100,24 @@ def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(_group.world_size)]
     dist.all_gather(parts, x)
     return torch.cat(parts, dim=-1)
+
+
+def gather_to_first(x: torch.Tensor) -> Optional[list[torch.Tensor]]:
+    """Every rank's x on rank 0, in rank order (None on the other ranks)."""
+    import torch.distributed as dist
+
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(_group.world_size)] if _group.rank == 0 else None
+    dist.gather(x, gather_list=parts, dst=0)
+    return parts
+
+
+def scatter_from_first(out: torch.Tensor, parts: Optional[list[torch.Tensor]] = None) -> None:
+    """Rank 0's parts[r] into rank r's `out` (parts: rank 0's, one per rank, each
+    shaped as out; None on the other ranks)."""
+    import torch.distributed as dist
+
+    dist.scatter(out, scatter_list=[p.contiguous() for p in parts] if parts is not None else None, src=0)
 
 
 def broadcast_object(obj: Any = None) -> Any:

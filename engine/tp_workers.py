@@ -10,15 +10,19 @@ broadcast would otherwise wait for it forever).
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import multiprocessing
 import os
 import socket
 import threading
 import time
+from typing import Callable, Optional
 
 from tandem.engine.config import ConfigError, EngineConfig
 from tandem.engine.tensor_parallel import broadcast_object, destroy_tp, init_tp
+from tandem.engine.tp_kv import TPKVCacheView, TPKVJob, receive_loads, send_layer
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +62,15 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: EngineCon
         plan = broadcast_object()
         if plan is None:
             break
-        runner.forward(runner.prepare(plan), plan)
+        job: Optional[TPKVJob] = plan.connector_meta
+        after_layer = None
+        if job is not None:  # this rank's part of the step's KV transfer (engine/tp_kv.py)
+            if job.load_block_ids:
+                receive_loads(runner.kv_cache, job.load_block_ids)
+            if job.save_block_ids:
+                ids = torch.tensor(job.save_block_ids, device=runner.device)
+                after_layer = functools.partial(send_layer, runner.kv_cache, block_ids=ids)
+        runner.forward(runner.prepare(plan), plan, None, after_layer)
     destroy_tp()
 
 
@@ -103,14 +115,38 @@ class TPWorkers:
         """Every rank sizes its KV cache as rank 0 did (their memory may differ)."""
         broadcast_object(num_blocks)
 
+    def cache_view(self, kv_cache) -> TPKVCacheView:
+        """The view of whole blocks a KV connector on rank 0 moves (engine/tp_kv.py)."""
+        self.kv_view = TPKVCacheView(kv_cache)
+        return self.kv_view
+
     def run(self, plan) -> None:
-        """Hand the step's plan to the workers; rank 0 then runs it too. A
+        """Hand the step's plan to the workers, and their heads of the blocks
+        the connector loaded (after start_load); rank 0 then runs it too. A
         worker that is gone fails the step (and so the engine, loudly)
         rather than leaving rank 0 waiting in a collective."""
         dead = [p.name for p in self.procs if not p.is_alive()]
         if dead:
             raise RuntimeError(f"tensor-parallel worker(s) {', '.join(dead)} exited; the engine cannot step")
-        broadcast_object(plan)
+        meta, job, loaded = plan.connector_meta, None, None
+        if meta is not None:  # the connector's meta holds rank 0's state: the workers get block ids
+            load_ids, loaded = self.kv_view.take_loads()
+            job = TPKVJob(load_ids, meta.saved_block_ids())
+        broadcast_object(dataclasses.replace(plan, connector_meta=job))
+        if loaded is not None:
+            self.kv_view.send_loads(loaded)
+
+    def gathering(self, save_layer: Callable[[int], None], block_ids: list[int]) -> Callable[[int], None]:
+        """The after-layer hook of a step that saves: every rank's heads of the
+        saved blocks gathered on rank 0, then the connector's save_layer."""
+        import torch
+
+        ids = torch.tensor(block_ids, device=self.kv_view.device)
+
+        def hook(layer: int) -> None:
+            self.kv_view.gather_layer(layer, ids)
+            save_layer(layer)
+        return hook
 
     def stop(self, timeout_s: float = 10.0) -> None:
         try:

@@ -25,7 +25,9 @@ Scheduler side:
 Worker side:
   allocate_kv_cache() -> the cache tensor, when the connector must own its
       memory (e.g. shared with another process); None: a plain allocation;
-  register_kv_cache(kv_cache) -> the cache the worker side reads and writes;
+  register_kv_cache(kv_cache, view) -> the cache the worker side reads and
+      writes, and the view of its whole blocks (every KV head: under tensor
+      parallelism the cache holds this rank's heads, the view every rank's);
   start_load(meta) -> request ids whose load failed (they recompute);
   wait_for_layer_load(layer) -> called before layer `layer` reads its cache;
   save_layer(layer, meta) -> called as soon as layer `layer` wrote its K/V;
@@ -129,13 +131,49 @@ class KVCacheLayout:
                              f"{self.shape} {self.dtype}")
 
 
+class KVCacheView:
+    """Whole blocks of an engine's KV cache, every layer and KV head, as a
+    connector that copies blocks reads and writes them. This one is the
+    cache tensor of an engine in one process; under tensor parallelism each
+    rank holds a slice of the KV heads and engine/tp_kv.py's view reaches
+    the other ranks' slices, so the blocks a connector moves are the same
+    whatever the tensor parallelism."""
+
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv_cache.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.kv_cache.dtype
+
+    def layer_blocks(self, layer: int, block_ids: torch.Tensor) -> torch.Tensor:
+        """Layer `layer` of these blocks: [2, n, block_size, kv_heads, head_dim]."""
+        return self.kv_cache[layer][:, block_ids]
+
+    def write_blocks(self, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
+        """Write whole blocks, [layers, 2, n, block_size, kv_heads, head_dim], into
+        these cache blocks. `blocks` may be reused by the caller once this returns
+        (on a GPU: once the current stream has passed this point)."""
+        self.kv_cache[:, :, block_ids] = blocks
+
+
 @dataclass
 class ConnectorMeta:
     """One step's worker job. Each connector subclasses it with its own load
-    and save entries; the engine only asks whether there is work."""
+    and save entries; the engine only asks whether there is work, and which
+    blocks the saves read."""
 
     loads: list = field(default_factory=list)
     saves: list = field(default_factory=list)
+
+    def saved_block_ids(self) -> list[int]:
+        """The cache blocks this step's saves read, in the order save_layer
+        reads them (each save entry's block_ids, entry after entry)."""
+        return [b for save in self.saves for b in save.block_ids]
 
 
 @dataclass
@@ -194,6 +232,7 @@ class KVConnector(ABC):
         self.layout = layout
         self.stats = ConnectorStats()
         self.kv_cache: Optional[torch.Tensor] = None  # set by register_kv_cache
+        self.cache_view: Optional[KVCacheView] = None  # ditto
 
     @property
     def produces(self) -> bool:
@@ -241,8 +280,10 @@ class KVConnector(ABC):
         its memory; None: the runner allocates it."""
         return None
 
-    def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
+    def register_kv_cache(self, kv_cache: torch.Tensor, view: Optional[KVCacheView] = None) -> None:
+        """view: whole blocks of the cache; None: the cache itself (one process)."""
         self.kv_cache = kv_cache
+        self.cache_view = view if view is not None else KVCacheView(kv_cache)
 
     @abstractmethod
     def start_load(self, meta: ConnectorMeta) -> set[str]: ...

@@ -310,8 +310,8 @@ class KVStoreConnector(KVConnector):
         return 0, {WRITE_KEY: (written[0], written[1] - written[0])}
 
     # ---- worker side ---------------------------------------------------
-    def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        super().register_kv_cache(kv_cache)
+    def register_kv_cache(self, kv_cache: torch.Tensor, view=None) -> None:
+        super().register_kv_cache(kv_cache, view)
         if kv_cache.is_cuda:
             self.arena.pin()
 
@@ -341,7 +341,7 @@ class KVStoreConnector(KVConnector):
         started = time.monotonic()
         result, offset, k = load.prefetched, load.offset, len(load.block_ids)
         assert result.hashes[offset:offset + k] == load.block_hashes, "prefetch does not match the load"
-        cache = self.kv_cache  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+        cache = self.cache_view  # whole blocks: [layers, 2, blocks, block_size, kv_heads, head_dim]
         ids = torch.tensor(load.block_ids, device=cache.device)
         staged = self.arena.blocks[result.slot + offset:result.slot + offset + k]  # [k, layers, 2, ...]
         copied = None
@@ -353,10 +353,10 @@ class KVStoreConnector(KVConnector):
             on_device = torch.empty(staged.shape, dtype=staged.dtype, device=cache.device)
             for i in range(k):
                 on_device[i].copy_(staged[i], non_blocking=True)
-            cache[:, :, ids] = on_device.permute(1, 2, 0, 3, 4, 5)
+            cache.write_blocks(ids, on_device.permute(1, 2, 0, 3, 4, 5))
             copied = torch.cuda.current_stream(cache.device).record_event()
         else:
-            cache[:, :, ids] = staged.permute(1, 2, 0, 3, 4, 5).to(cache.device, non_blocking=True)
+            cache.write_blocks(ids, staged.permute(1, 2, 0, 3, 4, 5).to(cache.device, non_blocking=True))
         self.stats.load_blocks += k
         self.stats.load_bytes += k * self.layout.block_bytes
         self.stats.load_seconds += result.seconds * k / result.num_blocks
@@ -382,15 +382,15 @@ class KVStoreConnector(KVConnector):
                     self._written.pop(save.request_id, None)
                 return
             meta.save_slot, meta.num_save_blocks = slot, n
-            meta.save_block_ids = torch.tensor([b for s in meta.saves for b in s.block_ids],
-                                               device=self.kv_cache.device)
+            meta.save_block_ids = torch.tensor(meta.saved_block_ids(), device=self.cache_view.device)
             self.arena.write_headers(slot, n)
             if self.arena.pinned:
-                meta.save_on_device = torch.empty((n, *self.arena.block_shape), dtype=self.kv_cache.dtype,
-                                                  device=self.kv_cache.device)
+                meta.save_on_device = torch.empty((n, *self.arena.block_shape), dtype=self.cache_view.dtype,
+                                                  device=self.cache_view.device)
         if meta.save_slot < 0:
             return
-        layer_kv = self.kv_cache[layer][:, meta.save_block_ids].transpose(0, 1)  # [n, 2, block_size, heads, dim]
+        # [n, 2, block_size, heads, dim]
+        layer_kv = self.cache_view.layer_blocks(layer, meta.save_block_ids).transpose(0, 1)
         if meta.save_on_device is not None:
             meta.save_on_device[:, layer] = layer_kv  # on the device: no wait here
         else:
@@ -410,7 +410,7 @@ class KVStoreConnector(KVConnector):
         """Queue the step's gathered blocks' copies into their pinned slots on a
         stream of their own, so the DMA runs beside the next step's kernels
         instead of ahead of them; returns the event that marks them done."""
-        device = self.kv_cache.device
+        device = self.cache_view.device
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(device)
         gathered = torch.cuda.current_stream(device).record_event()

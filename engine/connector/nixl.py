@@ -87,8 +87,8 @@ class NixlConnector(PullConnector):
         self._regs: list = []
 
     # ---- both: registration ------------------------------------------------
-    def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        super().register_kv_cache(kv_cache)
+    def register_kv_cache(self, kv_cache: torch.Tensor, view=None) -> None:
+        super().register_kv_cache(kv_cache, view)
         self._regs = [self.agent.register_memory(kv_cache), self.agent.register_memory(self._generations),
                       self.agent.register_memory(self._read_back)]
         self._mem_type = "VRAM" if kv_cache.is_cuda else "DRAM"

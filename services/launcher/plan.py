@@ -7,6 +7,7 @@ import os
 import random
 import socket
 import sys
+from dataclasses import replace
 from typing import Optional
 
 from tandem.engine.config import EngineArgs
@@ -83,10 +84,11 @@ def plan_stack(args: argparse.Namespace, log_dir: str) -> tuple[Child, list[Chil
     # and a restarted store must not move it under their open connections.
     kvstore = child("kvstore", None, ["--backend", args.store, "--data-port", str(port()), *tls_flags],
                     kvstore_port)
-    engine_flags = [*engine_args(args, f"{host}:{kvstore_port}").to_cli_args(),
-                    "--max-queued-requests", str(args.max_queued_requests), *tls_flags]
-    prefills = [child("prefill", i, engine_flags) for i in range(args.prefill)]
-    decodes = [child("decode", i, engine_flags) for i in range(args.decode)]
+    roles = role_engine_args(args, f"{host}:{kvstore_port}")
+    engine_flags = {role: [*role_args.to_cli_args(), "--max-queued-requests", str(args.max_queued_requests),
+                           *tls_flags] for role, role_args in roles.items()}
+    prefills = [child("prefill", i, engine_flags["prefill"]) for i in range(args.prefill)]
+    decodes = [child("decode", i, engine_flags["decode"]) for i in range(args.decode)]
     gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
     for i, engine in enumerate(prefills + decodes):
         engine.env_unset = ENGINE_ENV_TWINS
@@ -113,3 +115,19 @@ def engine_args(args: argparse.Namespace, kvstore_address: str) -> EngineArgs:
     the KV store it starts (with --kv-transfer store)."""
     store = kvstore_address if args.kv_transfer == "store" else None
     return EngineArgs.from_cli_args(args, kv_store=store)
+
+
+# Engine settings `tandem up` also takes per role, as --prefill-X and --decode-X.
+ROLE_SETTINGS = ("tensor_parallel_size",)
+
+
+def role_engine_args(args: argparse.Namespace, kvstore_address: str) -> dict[str, EngineArgs]:
+    """The settings of the prefill and of the decode engines: engine_args, with
+    a role's own --prefill-X / --decode-X where given."""
+    every = engine_args(args, kvstore_address)
+    roles = {}
+    for role in ("prefill", "decode"):
+        own = {name: getattr(args, f"{role}_{name}") for name in ROLE_SETTINGS
+               if getattr(args, f"{role}_{name}", None) is not None}
+        roles[role] = replace(every, **own)
+    return roles

@@ -16,13 +16,12 @@ import re
 import signal
 import sys
 import tempfile
-from dataclasses import replace
 
 from tandem.engine.config import DEFAULT_MODEL, ConfigError, EngineArgs
 from tandem.services.common.config import add_flag, config_error
 from tandem.services.common.grpc_server import add_tls_arguments, why_unbindable
 from tandem.services.launcher.children import Child, start_child, stop_children, wait_listening
-from tandem.services.launcher.plan import LAUNCHER_DECIDES, UP_KV_TRANSFERS, plan_stack
+from tandem.services.launcher.plan import LAUNCHER_DECIDES, UP_KV_TRANSFERS, plan_stack, role_engine_args
 from tandem.services.launcher.supervisor import (RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S, START_TRIES,
                                                  supervise)
 
@@ -147,8 +146,9 @@ def _check_before_start(args: argparse.Namespace) -> None:
         if problem:
             config_error(f"cannot listen on {args.host}:{port}: {problem}")
     try:
-        # The KV transfer is the launcher's own doing (plan_stack): check the rest.
-        replace(EngineArgs.from_cli_args(args), kv_transfer="none").create_engine_config()
+        # Each role's settings, as plan_stack hands them out (the store's address aside).
+        for role_args in role_engine_args(args, "127.0.0.1:0").values():
+            role_args.create_engine_config()
     except ConfigError as exc:
         config_error(str(exc))
     try:
@@ -178,6 +178,10 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
              help="KV store port; 0 picks a free one (kept across restarts, as every child's port)")
     add_flag(p, "--prefill", type=int, default=1, help="number of prefill instances (0: decode prefills)")
     add_flag(p, "--decode", type=int, default=1, help="number of decode instances")
+    for role in ("prefill", "decode"):
+        add_flag(p, f"--{role}-tensor-parallel-size", type=int, default=None, metavar="N",
+                 help=f"--tensor-parallel-size of the {role} engines alone (KV moves whole blocks "
+                      "through the store, so the two roles may differ); unset: --tensor-parallel-size")
     add_flag(p, "--store", default="memory",
              help="KV store backend: memory, or a Redis URL such as redis://127.0.0.1:6379/0")
     add_flag(p, "--gpus", default="",

@@ -101,3 +101,12 @@ def test_a_hub_revision_and_cache_reach_the_engines_and_the_router(tmp_path, mon
     add_router_arguments(p)
     router = p.parse_args(router_flags)
     assert (router.model, router.revision, router.download_dir) == ("org/tiny", "v2", "/hub")
+
+
+def test_each_role_gets_its_own_tensor_parallel_size(tmp_path):
+    _, prefills, decodes, _ = plan("--tensor-parallel-size", "3", "--decode-tensor-parallel-size", "2",
+                                   tmp_path=tmp_path)
+    assert {engine_args_of(c.argv).tensor_parallel_size for c in prefills} == {3}  # the common flag
+    assert {engine_args_of(c.argv).tensor_parallel_size for c in decodes} == {2}  # its own
+    _, prefills, decodes, _ = plan("--prefill-tensor-parallel-size", "2", tmp_path=tmp_path)
+    assert [engine_args_of(c.argv).tensor_parallel_size for c in prefills + decodes] == [2, 2, 1, 1]
