@@ -250,8 +250,9 @@ class EngineArgs:
     tensor_parallel_size: int = flag_field(
         1, "engine processes the model is split across (tensor parallelism: attention heads, KV "
         "heads, MLP channels and the vocabulary divided among them; this process is rank 0 and "
-        "starts the others). Above 1: CPU engines only so far (gloo), dense models whose head, "
-        "KV head and MLP channel counts it divides; with --kv-transfer store (an engine of any "
+        "starts the others). Above 1: CPU engines only so far (gloo), models whose head, KV "
+        "head and MLP channel counts it divides (a mixture of experts' every expert splits its "
+        "channels); with --kv-transfer store (an engine of any "
         "size loads the blocks one of any other saved), not with --kv-transfer direct or nixl, "
         "--speculative-config or --swap-space yet", group=_RUNTIME, metavar="N")
     attention_backend: AttentionBackend = flag_field(

@@ -314,26 +314,37 @@ def load_weights(model: torch.nn.Module, source: ModelSource, config: Any, seed:
     with torch.no_grad():
         for name, pieces in sources.items():
             for index, key in pieces or ():
-                tensor = tp_shard(name, state[key]) if sharded else state[key]
+                tensor = tp_shard(key, state[key]) if sharded else state[key]
                 params[name][index].copy_(tensor.to(params[name].dtype))
 
 
 # Tensor parallelism (engine/tensor_parallel.py): which dimension of a
 # checkpoint tensor each rank takes a slice of. Column-parallel layers split
 # their outputs (rows), row-parallel ones their inputs (columns); the
-# embedding and LM head split the vocabulary; the rest (norms) is whole.
-_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-_ROW_PARALLEL = ("o_proj", "down_proj")
+# embedding and LM head split the vocabulary; the rest (norms, MoE routers)
+# is whole. Mixtral names its experts' gate, up and down w1, w3 and w2.
+_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3")
+_ROW_PARALLEL = ("o_proj", "down_proj", "w2")
 _VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
+# MoE experts stacked in one tensor (models/moe.py): [E, 2I, H] gate rows then
+# up rows, and [E, H, I].
+_STACKED_GATE_UP, _STACKED_DOWN = "experts.gate_up_proj", "experts.down_proj"
 
 
 def tp_shard(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's slice of the full checkpoint tensor of parameter `name`."""
+    """This rank's slice of the full checkpoint tensor named `name` (a
+    parameter's own name, or one MoE expert's tensor of a stacked parameter)."""
     import torch
 
     from tandem.engine.tensor_parallel import tp_group, vocab_shard
 
     group = tp_group()
+    if name.endswith(_STACKED_GATE_UP):  # each expert's gate rows and up rows split alike
+        experts, rows, hidden = tensor.shape
+        halves = tensor.view(experts, 2, rows // 2, hidden).chunk(group.world_size, dim=2)[group.rank]
+        return halves.reshape(experts, -1, hidden)
+    if name.endswith(_STACKED_DOWN):
+        return tensor.chunk(group.world_size, dim=2)[group.rank]
     module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
     if name in _VOCAB_PARALLEL:
         start, per_rank = vocab_shard(tensor.shape[0])

@@ -79,16 +79,16 @@ def check_tensor_parallel(config: EngineConfig, hf_config) -> None:
     any process starts: the settings' part (EngineConfig's, which EngineArgs
     runs earlier with the --device setting) on the device resolved now, then
     the model's."""
-    from tandem.engine.models.moe import MOE_MODEL_TYPES
+    from tandem.engine.models.moe import MOE_MODEL_TYPES, MoEConfig
 
     config.check_tensor_parallel(config.resolved_device())
     flag = f"--tensor-parallel-size {config.tensor_parallel_size}"
-    if getattr(hf_config, "model_type", "") in MOE_MODEL_TYPES:
-        raise ConfigError(f"{flag}: mixture-of-experts models are not split across ranks yet")
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    for total, what in ((heads, "attention heads"), (kv_heads, "KV heads"),
-                        (hf_config.intermediate_size, "MLP channels")):
+    counts = [(heads, "attention heads"), (kv_heads, "KV heads"), (hf_config.intermediate_size, "MLP channels")]
+    if getattr(hf_config, "model_type", "") in MOE_MODEL_TYPES:  # each expert's channels split too
+        counts.append((MoEConfig.from_hf(hf_config).intermediate_size, "expert MLP channels"))
+    for total, what in counts:
         if total % config.tensor_parallel_size:
             raise ConfigError(f"{flag} does not divide the model's {total} {what}")
 

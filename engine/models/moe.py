@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from tandem.engine.models.llama import MLP
+from tandem.engine.tensor_parallel import all_reduce, shard_size
 from tandem.kernels import fused_moe
 
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
@@ -91,9 +92,11 @@ class Experts(nn.Module):
 
     Tensor parallelism splits I: rank r of n keeps gate rows and up rows
     [r * I/n, (r + 1) * I/n) of every expert and the same columns of
-    down_proj (intermediate_size is then the rank's I/n), runs the same
-    kernel, and sums the layer's output over ranks. checkpoint_pieces is
-    where a rank would narrow each checkpoint tensor to its slice."""
+    down_proj (intermediate_size is then the rank's I/n; the loader's
+    tp_shard narrows each checkpoint tensor), runs the same kernel over
+    every expert, and the block sums its output over ranks. Every rank
+    routes every token (the router is whole), so no token moves between
+    ranks; each expert's GEMMs are 1/n as wide."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -107,14 +110,14 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.moe = moe
         self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)  # the router
-        self.experts = Experts(moe.num_experts, hidden_size, moe.intermediate_size)
+        self.experts = Experts(moe.num_experts, hidden_size, shard_size(moe.intermediate_size, "expert MLP channels"))
 
     def fuse(self) -> None:
         """Nothing to merge: gate and up are one stacked tensor already."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.moe)
-        return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        return all_reduce(fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids))
 
 
 def checkpoint_pieces(name: str, shape: torch.Size) -> Iterator[list[Piece]]:

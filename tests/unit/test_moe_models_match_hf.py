@@ -11,6 +11,7 @@ import torch
 
 from tandem.engine import LLM
 from tandem.engine.models import build_model
+from tandem.engine.models.moe import Experts
 from tests.support.hf_oracle import check_against_oracle, hf_greedy, run_greedy, tiny_model_dir
 
 LENGTHS = [1, 5, 17, 33, 64, 150]
@@ -100,3 +101,40 @@ def test_qwen3_30b_a3b_preset_builds_with_its_published_size():
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     active = total - experts + experts * 8 // 128
     assert 30.4e9 < total < 30.6e9 and 3.3e9 < active < 3.4e9
+
+
+@pytest.mark.timeout(300)
+def test_tiny_moe_models_split_across_two_ranks_match_hf(tiny_moe):
+    """Tensor parallelism: each rank keeps half of every expert's channels
+    (the checkpoint's experts, saved one by one, narrowed as they load) and
+    the block's output is summed over the ranks; chunked prefill, so decodes
+    and prefill chunks share steps."""
+    llm = LLM(tiny_moe["path"], tensor_parallel_size=2, max_num_batched_tokens=40,
+              long_prefill_token_threshold=24)
+    try:
+        experts = [m for m in llm.engine.runner.model.modules() if isinstance(m, Experts)]
+        assert experts and all(m.intermediate_size == 16 for m in experts)  # half of each expert's 32
+        check_against_oracle(run_greedy(llm, tiny_moe["prompts"], MAX_NEW), tiny_moe["refs"], exact=False)
+    finally:
+        llm.shutdown()
+
+
+def test_a_rank_takes_the_same_expert_slices_from_stacked_and_per_expert_checkpoints(monkeypatch):
+    from tandem.engine import tensor_parallel
+    from tandem.engine.loader import tp_shard
+
+    experts, inter, hidden = 3, 8, 4
+    gate, up, down = torch.randn(experts, inter, hidden), torch.randn(experts, inter, hidden), \
+        torch.randn(experts, hidden, inter)
+    monkeypatch.setattr(tensor_parallel, "_group", tensor_parallel.TPGroup(rank=1, world_size=2))
+    stacked = tp_shard("model.layers.0.mlp.experts.gate_up_proj", torch.cat([gate, up], dim=1))
+    for e in range(experts):
+        assert torch.equal(stacked[e], torch.cat([tp_shard(f"model.layers.0.mlp.experts.{e}.gate_proj.weight", gate[e]),
+                                                  tp_shard(f"model.layers.0.mlp.experts.{e}.up_proj.weight", up[e])]))
+        assert torch.equal(stacked[e, :inter // 2], gate[e, inter // 2:])  # rank 1: the second half
+    stacked = tp_shard("model.layers.0.mlp.experts.down_proj", down)
+    for e in range(experts):
+        assert torch.equal(stacked[e], tp_shard(f"model.layers.0.block_sparse_moe.experts.{e}.w2.weight", down[e]))
+        assert torch.equal(stacked[e], down[e, :, inter // 2:])
+    router = torch.randn(experts, hidden)
+    assert torch.equal(tp_shard("model.layers.0.mlp.gate.weight", router), router)  # whole on every rank
