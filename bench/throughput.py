@@ -188,6 +188,10 @@ def run(args: argparse.Namespace) -> int:
     # Before the HF baseline, which takes the engine's memory: the engine's
     # first pass against this device's matmul peak, measured now.
     roofline = _roofline(llm, results[0])
+    engine = _engine_report(llm)
+    print(f"engine: max_num_seqs {engine['max_num_seqs']}, {engine['max_num_batched_tokens']} tokens a step, "
+          f"{engine['kv_blocks']} KV blocks ({engine['kv_tokens']} tokens), {engine['preemptions']} preemptions",
+          file=sys.stderr)
     if not args.no_hf:
         print("running the HF transformers baseline ...", file=sys.stderr)
         results.append(run_hf(args, prompts, output_lens, llm))
@@ -210,9 +214,20 @@ def run(args: argparse.Namespace) -> int:
         with open(args.output_json, "w") as f:
             json.dump({"args": vars(args) | {"handler": None},
                        "results": [asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in results],
-                       "ratio": ratio, "structured_slowdown": slowdown,
+                       "ratio": ratio, "structured_slowdown": slowdown, "engine": engine,
                        "roofline": asdict(roofline) | {"fraction": roofline.fraction}}, f, indent=2)
     return 0
+
+
+def _engine_report(llm) -> dict:
+    """The settings the engine ran with (defaults decided) and its preemptions:
+    a batch larger than the KV cache holds pays for them in recompute."""
+    engine = llm.engine
+    scheduler = engine.config.scheduler
+    blocks = engine.kv.pool.num_usable_blocks
+    return {"max_num_seqs": scheduler.max_num_seqs, "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+            "kv_blocks": blocks, "kv_tokens": blocks * engine.config.cache.block_size,
+            "preemptions": engine.stats().num_preemptions}
 
 
 def _roofline(llm, result: ThroughputResult):

@@ -25,6 +25,16 @@ SchedulingPolicy = Literal["fifo", "srtf"]
 # ms; on a CPU 2048 tokens already take seconds, and the budget is how long an
 # aborted prompt may keep computing.
 DEFAULT_TOKEN_BUDGET = {"cuda": 8192, "cpu": 2048}
+DEFAULT_MAX_NUM_SEQS = 256
+# GPUs of this much memory or more (H100, H200, MI300X; A100s aside, where
+# larger batches measured slower in vLLM) run larger batches when none is
+# given, as vLLM's defaults do: more running requests, and offline (LLM) a
+# larger token budget. On the H200, Llama-3-8B's offline workload of issue 20
+# ran at 0.59 of the compute roofline with 256 and 8192, 0.64 with these
+# (docs/benchmarks.md).
+LARGE_GPU_BYTES = 70 * 2**30
+LARGE_GPU_MAX_NUM_SEQS = 1024
+LARGE_GPU_TOKEN_BUDGET = {"offline": 16384, "serving": 8192}
 LoadFormat = Literal["auto", "gguf", "safetensors", "dummy"]
 KVRole = Literal["producer", "consumer", "both"]
 # How KV moves between engines: through the KV store service (a KVStore the
@@ -76,11 +86,12 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    # The token budget of one step; None: DEFAULT_TOKEN_BUDGET for the device.
-    # It bounds a step's time and memory: an abort or a disconnect takes
-    # effect between steps, so a prompt's compute stops within one chunk.
+    # The token budget of one step; None: decided for the device
+    # (default_batch_limits). It bounds a step's time and memory: an abort or
+    # a disconnect takes effect between steps, so a prompt's compute stops
+    # within one chunk.
     max_num_batched_tokens: Optional[int] = None
-    max_num_seqs: int = 256
+    max_num_seqs: Optional[int] = DEFAULT_MAX_NUM_SEQS  # None: decided for the device, as the budget
     policy: SchedulingPolicy = "fifo"
     staging_queue_size: int = 8  # two-level SRTF (thesis 4.5.3)
     # Prefill chunks are at most this long (0: only the token budget limits them).
@@ -111,14 +122,19 @@ class EngineConfig:
     # Speculative decoding (engine/spec_decode/); None: off.
     speculative: Optional[SpeculativeConfig] = None
     tensor_parallel_size: int = 1  # engine processes (ranks) the model is split across
+    # Offline use (LLM.generate): throughput first, so a larger default token
+    # budget on large GPUs; a serving engine keeps steps shorter.
+    offline: bool = False
 
     def with_defaults(self) -> "EngineConfig":
         """A copy with every device-dependent default (None) decided."""
-        if self.scheduler.max_num_batched_tokens is not None:
+        sched = self.scheduler
+        if sched.max_num_batched_tokens is not None and sched.max_num_seqs is not None:
             return self
-        budget = DEFAULT_TOKEN_BUDGET[self.resolved_device()]
+        seqs, budget = default_batch_limits(self.resolved_device(), self.offline)
         return dataclasses.replace(self, scheduler=dataclasses.replace(
-            self.scheduler, max_num_batched_tokens=budget))
+            sched, max_num_batched_tokens=sched.max_num_batched_tokens or budget,
+            max_num_seqs=sched.max_num_seqs or seqs))
 
     def check_tensor_parallel(self, device: str) -> None:
         """What tensor parallelism is not built for yet, refused by name.
@@ -146,6 +162,18 @@ class EngineConfig:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_batch_limits(device: str, offline: bool) -> tuple[int, int]:
+    """(max_num_seqs, token budget) of an engine given neither: by the GPU's
+    memory (LARGE_GPU_* above), else the defaults for the device."""
+    if device == "cuda":
+        import torch
+
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        if props.total_memory >= LARGE_GPU_BYTES and "a100" not in props.name.lower():
+            return LARGE_GPU_MAX_NUM_SEQS, LARGE_GPU_TOKEN_BUDGET["offline" if offline else "serving"]
+    return DEFAULT_MAX_NUM_SEQS, DEFAULT_TOKEN_BUDGET[device]
 
 
 # The settings of moving KV between engines: commands that run one engine
@@ -229,9 +257,13 @@ class EngineArgs:
     max_num_batched_tokens: Optional[int] = flag_field(
         None, "token budget of one engine step (prompts longer than it prefill in chunks; an "
         "aborted prompt stops computing within one); unset: "
-        f"{DEFAULT_TOKEN_BUDGET['cuda']} on CUDA, {DEFAULT_TOKEN_BUDGET['cpu']} on the CPU",
+        f"{DEFAULT_TOKEN_BUDGET['cuda']} on CUDA ({LARGE_GPU_TOKEN_BUDGET['offline']} offline, in LLM and "
+        f"the benchmarks, on GPUs of {LARGE_GPU_BYTES // 2**30} GiB or more but A100s), "
+        f"{DEFAULT_TOKEN_BUDGET['cpu']} on the CPU", group=_SCHEDULER)
+    max_num_seqs: Optional[int] = flag_field(
+        None, f"most requests running at once; unset: {LARGE_GPU_MAX_NUM_SEQS} on GPUs of "
+        f"{LARGE_GPU_BYTES // 2**30} GiB or more but A100s (as vLLM), else {DEFAULT_MAX_NUM_SEQS}",
         group=_SCHEDULER)
-    max_num_seqs: int = flag_field(256, "most requests running at once", group=_SCHEDULER)
     policy: SchedulingPolicy = flag_field(
         "fifo", "scheduling policy: fifo, or srtf (shortest remaining tokens first)", group=_SCHEDULER)
     staging_queue_size: int = flag_field(

@@ -19,7 +19,7 @@ from tandem.kernels import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
-BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
 
 
 class DecodeGraphs:

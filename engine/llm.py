@@ -1,7 +1,7 @@
 """Offline use: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Iterator, Optional, Sequence, Union
 
 from tandem.engine.beam_search import Beam, BeamSearch, BeamSearchParams, BeamSearchParamsError
@@ -64,7 +64,8 @@ class LLM:
 
     def _start(self, args: EngineArgs, kv_store: Any) -> None:
         # The caller passes the KVStore object itself: no address needed.
-        self.engine = LLMEngine(args.create_engine_config(kv_store_injected=True), kv_store=kv_store)
+        config = replace(args.create_engine_config(kv_store_injected=True), offline=True)
+        self.engine = LLMEngine(config, kv_store=kv_store)
         self.tokenizer = self.engine.tokenizer
 
     def shutdown(self) -> None:

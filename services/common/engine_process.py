@@ -135,7 +135,7 @@ async def run_engine_service(args: argparse.Namespace, *, role: str, kv_role: st
     metrics = EngineMetrics(engine, role)
     start_metrics_server(args.metrics_port, host=args.host)
     poller = asyncio.create_task(metrics.poll_forever())
-    admission = Admission(args.max_num_seqs + args.max_queued_requests, metrics)
+    admission = Admission(engine.engine.config.scheduler.max_num_seqs + args.max_queued_requests, metrics)
     server = await start_aio_grpc_server(lambda s: add_servicers(s, engine, metrics, admission),
                                          args.host, args.port, tls=tls_from_args(args))
     if os.environ.get(FAULT_HOOKS_ENV) == "1":

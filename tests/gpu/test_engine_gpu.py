@@ -173,3 +173,17 @@ def test_bf16_error_is_of_the_size_of_hf_bf16s_own(tmp_path):
     assert len(known) >= 0.95 * n
     assert engine_q[0] <= 2 * hf_q[0] and engine_q[1] <= 2 * hf_q[1]
     assert engine_agree >= 0.95
+
+
+def test_a_large_gpu_runs_vllms_larger_default_batches(tmp_path):
+    """1024 requests at once and 16384 tokens a step offline on GPUs of 70 GiB
+    or more (A100s aside); the CUDA graphs cover every batch size up to it."""
+    from tandem.engine import LLM
+
+    props = torch.cuda.get_device_properties(0)
+    large = props.total_memory >= 70 * 2**30 and "a100" not in props.name.lower()
+    path, _ = tiny_model_dir(tmp_path, "llama")
+    llm = LLM(path, device="cuda", num_blocks=2048)
+    sched = llm.engine.config.scheduler
+    assert (sched.max_num_seqs, sched.max_num_batched_tokens) == ((1024, 16384) if large else (256, 8192))
+    assert llm.engine.runner.graphs.sizes[-1] == sched.max_num_seqs

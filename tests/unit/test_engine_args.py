@@ -193,3 +193,31 @@ def test_swap_space_is_checked_and_goes_with_a_kv_transfer():
     with pytest.raises(ConfigError, match="--swap-space"):
         EngineArgs(swap_space=-1.0).create_engine_config()
     assert EngineArgs(swap_space=1.0, kv_transfer="direct").create_engine_config().cache.swap_space_gib == 1.0
+
+
+@pytest.mark.parametrize("gpu,gib,offline,limits", [
+    ("NVIDIA H100 80GB HBM3", 80, True, (1024, 16384)),
+    ("NVIDIA H200", 141, False, (1024, 8192)),
+    ("NVIDIA A100-SXM4-80GB", 80, True, (256, 8192)),  # larger batches measured slower there
+    ("NVIDIA L4", 23, True, (256, 8192)),
+], ids=["h100-offline", "h200-serving", "a100", "l4"])
+def test_batch_limits_follow_the_gpus_memory(monkeypatch, gpu, gib, offline, limits):
+    """No GPU runs here: the device's name and memory are what the rule reads
+    (the GPU test checks a real one)."""
+    import types
+
+    import torch
+
+    from tandem.engine.config import default_batch_limits
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: types.SimpleNamespace(name=gpu, total_memory=gib * 2**30))
+    assert default_batch_limits("cuda", offline) == limits
+
+
+def test_batch_limits_given_or_decided_on_the_cpu():
+    config = EngineArgs(device="cpu").create_engine_config().with_defaults()
+    assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (256, 2048)
+    config = EngineArgs(device="cpu", max_num_seqs=7, max_num_batched_tokens=99).create_engine_config()
+    assert (config.with_defaults().scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (7, 99)
