@@ -55,6 +55,10 @@ def register(subparsers) -> None:
     p.add_argument("--no-hf", action="store_true", help="skip the HF baseline")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and their lengths")
     p.add_argument("--output-json", default=None, help="write results here")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="every request's sampling temperature (default 0: greedy; the OpenAI API's "
+                        "default is 1); the HF baseline stays greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="every request's top_p (default 1: off)")
     p.add_argument("--structured", choices=["none", "json", "both"], default="none",
                    help="json: every request's output follows a JSON schema (an array of at least "
                         "10,000 integers, so no answer can finish before --output-len and every token "
@@ -96,10 +100,12 @@ def run_engine(args, prompts, output_lens, llm=None, structured: bool = False) -
         # A finished grammar would stop the answer early; this one cannot
         # finish, so ignore_eos is not needed (nor allowed with a grammar).
         so = StructuredOutputs(json=LONG_JSON_SCHEMA)
-        params = [SamplingParams(temperature=0.0, max_tokens=n, structured_outputs=so) for n in output_lens]
+        params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=n,
+                                 structured_outputs=so) for n in output_lens]
         llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2, structured_outputs=so))  # warm-up, compile
     else:
-        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
+        params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=n, ignore_eos=True)
+                  for n in output_lens]
         llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
     _sync(llm.engine.runner.device)
     start = time.perf_counter()

@@ -234,7 +234,7 @@ class Request:
                  "num_prompt_tokens", "output_token_ids", "all_token_ids", "num_computed_tokens", "status",
                  "logprobs", "num_cached_tokens", "num_external_tokens", "num_preemptions", "stop_reason",
                  "kv_transfer_params", "stop_token_set", "blocks", "block_ids", "num_named_blocks",
-                 "block_hashes", "host_slots", "num_host_tokens", "detokenizer", "generator",
+                 "block_hashes", "host_slots", "num_host_tokens", "detokenizer", "generator", "device_generator",
                  "grammar", "spec_token_ids", "__weakref__")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -276,6 +276,7 @@ class Request:
         self.num_host_tokens = 0
         self.detokenizer: Optional[Detokenizer] = None  # set by the engine when it has a tokenizer
         self.generator: Any = None  # the sampler's torch.Generator when params.seed is set
+        self.device_generator: Any = None  # ditto on the GPU, when the batch is sampled there (device_sampling.py)
         # Structured outputs: the grammar matcher, advanced with each token
         # (set by the engine once the grammar is compiled; structured_output_manager.py)
         self.grammar: Any = None

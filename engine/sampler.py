@@ -1,4 +1,6 @@
 """Next-token sampling for a batch of sequences with per-request parameters.
+On a GPU the batch is sampled there (device_sampling.py: the same pipeline,
+batched); this module's row-by-row code runs on the CPU and is its oracle.
 
 Order of processing: the grammar's token mask (structured outputs) ->
 logit_bias -> penalties -> min_tokens masking -> temperature -> top-k ->
@@ -15,6 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from tandem.engine import device_sampling
 from tandem.engine.grammar import TokenMasks
 from tandem.engine.request import Request, RequestFailedError, SamplingParams, TokenLogprob
 
@@ -98,6 +101,11 @@ class Sampler:
             best, tokens = logits.max(dim=-1)
             # -1 marks a row the grammar left empty; one transfer for both.
             return self._masked_greedy(torch.where(torch.isneginf(best), -1, tokens).tolist(), requests)
+        if logits.is_cuda:
+            try:
+                return device_sampling.sample(logits, requests, self.vocab_size)
+            except Exception:  # the rows one by one on the CPU below: only a broken request fails
+                log.exception("sampling the batch on %s failed; sampling it on the CPU", logits.device)
         logits = logits.float().cpu()
         try:
             return self._sample(logits, requests)

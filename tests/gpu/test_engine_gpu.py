@@ -187,3 +187,22 @@ def test_a_large_gpu_runs_vllms_larger_default_batches(tmp_path):
     sched = llm.engine.config.scheduler
     assert (sched.max_num_seqs, sched.max_num_batched_tokens) == ((1024, 16384) if large else (256, 8192))
     assert llm.engine.runner.graphs.sizes[-1] == sched.max_num_seqs
+
+
+def test_sampled_requests_are_drawn_on_the_gpu(tmp_path, monkeypatch):
+    """Temperature sampling never copies the logits to the CPU sampler on a
+    GPU engine (it would fail here), and a seed repeats its tokens."""
+    from tandem.engine import LLM, SamplingParams
+    from tandem.engine.sampler import Sampler
+
+    def no_cpu_sampling(*args, **kwargs):
+        raise AssertionError("a sampled batch went to the CPU sampler")
+
+    monkeypatch.setattr(Sampler, "_sample", no_cpu_sampling)
+    path, _ = tiny_model_dir(tmp_path, "llama")
+    llm = LLM(path, device="cuda", num_blocks=512)
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=4, max_tokens=12, logprobs=2,
+                            ignore_eos=True)
+    first, again = (llm.generate(prompts()[:4], params) for _ in range(2))
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
+    assert all(o.outputs[0].finish_reason == "length" and len(o.outputs[0].logprobs) == 12 for o in first)
