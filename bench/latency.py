@@ -39,8 +39,11 @@ def register(subparsers) -> None:
         "latency", help="decode step time vs the memory-bandwidth floor; host time per step",
         description="Builds the engine (dummy weights of a real architecture with --preset), fills "
                     "BATCH sequences of about CONTEXT tokens (staggered over one KV block), then "
-                    "times decode steps. Prints step time, the floor (weights + KV bytes) / "
-                    "measured copy bandwidth, their ratio, and the host time per step: "
+                    "times decode steps. Prints step time (each step waited for alone), the floor "
+                    "(weights + KV bytes) / measured copy bandwidth, their ratio, the period of "
+                    "as many steps run back to back (what a decode loop gets, asynchronous "
+                    "scheduling overlapping each step's host work with the step before) and its "
+                    "ratio, and the host time per step: "
                     "scheduling, preparing inputs and the update step (stop rules, "
                     "detokenizing), median and mean; the JSON also splits it into schedule, "
                     "prepare and update. With --preset, --tokenizer attaches that tokenizer "
@@ -135,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
           f"KV {kv_bytes_per_token / 1024:.0f} KiB/token; tokenizer: "
           f"{'yes' if engine.tokenizer is not None else 'none (no detokenizing)'}", file=sys.stderr)
     for batch in batches:
-        params = SamplingParams(temperature=0, max_tokens=args.steps + 5, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=2 * args.steps + 5, ignore_eos=True)
         lengths = [max(1, args.context + i % runner.block_size - runner.block_size // 2) for i in range(batch)]
         for i, length in enumerate(lengths):
             engine.add_request(f"b{batch}-{i}", [1000 + (i * 7 + j) % 20000 for j in range(length)], params)
@@ -151,14 +154,24 @@ def run(args: argparse.Namespace) -> int:
             sync()
             step_times.append(time.perf_counter() - t0)
             phases.append(dataclasses.replace(engine.step_times))
+        # Then back to back, as a decode loop runs: with asynchronous scheduling
+        # a step's host work overlaps the step before on the device, which the
+        # waits above prevent.
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        sync()
+        period = (time.perf_counter() - t0) / args.steps
         # KV read per step: the batch's cached tokens at the middle of the timed steps
-        kv_tokens = sum(lengths) + batch * (2 + args.steps // 2)
+        kv_tokens = sum(lengths) + batch * (2 + args.steps)
         touched = expert_bytes * (1 - (1 - top_k / num_experts) ** batch) if num_experts else 0
         floor = (weight_bytes - expert_bytes + touched + kv_tokens * kv_bytes_per_token) / bw
         step = statistics.median(step_times)
         host_times = [p.host for p in phases]
         rows.append({"batch": batch, "context": kv_tokens / batch, "step_ms": step * 1e3,
                      "floor_ms": floor * 1e3, "ratio": step / floor,
+                     "period_ms": period * 1e3, "period_ratio": period / floor,
                      "host_ms": statistics.median(host_times) * 1e3,
                      "host_mean_ms": statistics.fmean(host_times) * 1e3,
                      "schedule_ms": statistics.median(p.schedule for p in phases) * 1e3,
@@ -166,17 +179,19 @@ def run(args: argparse.Namespace) -> int:
                      "update_ms": statistics.median(p.update for p in phases) * 1e3,
                      "tokens_per_s": batch / step})
         engine.abort(list(engine.scheduler.requests))
-    print(f"{'batch':>6}{'step ms':>10}{'floor ms':>10}{'ratio':>8}{'host ms':>9}{'(mean)':>8}"
-          f"{'sched':>8}{'prep':>8}{'update':>8}{'tok/s':>10}")
+    print(f"asynchronous scheduling: {'on' if engine.async_scheduling else 'off'}", file=sys.stderr)
+    print(f"{'batch':>6}{'step ms':>10}{'floor ms':>10}{'ratio':>8}{'period':>8}{'ratio':>7}{'host ms':>9}"
+          f"{'(mean)':>8}{'sched':>8}{'prep':>8}{'update':>8}{'tok/s':>10}")
     for r in rows:
-        print(f"{r['batch']:>6}{r['step_ms']:>10.2f}{r['floor_ms']:>10.2f}{r['ratio']:>8.2f}"
-              f"{r['host_ms']:>9.3f}{r['host_mean_ms']:>8.3f}{r['schedule_ms']:>8.3f}{r['prepare_ms']:>8.3f}"
-              f"{r['update_ms']:>8.3f}{r['tokens_per_s']:>10.0f}")
+        print(f"{r['batch']:>6}{r['step_ms']:>10.2f}{r['floor_ms']:>10.2f}{r['ratio']:>8.2f}{r['period_ms']:>8.2f}"
+              f"{r['period_ratio']:>7.2f}{r['host_ms']:>9.3f}{r['host_mean_ms']:>8.3f}{r['schedule_ms']:>8.3f}"
+              f"{r['prepare_ms']:>8.3f}{r['update_ms']:>8.3f}{r['tokens_per_s']:>10.0f}")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                        "copy_bandwidth_Bps": bw, "weight_bytes": weight_bytes, "expert_bytes": expert_bytes, "cuda_graphs": runner.graphs is not None,
-                       "tokenizer": engine.tokenizer is not None, "rows": rows}, f, indent=2)
+                       "tokenizer": engine.tokenizer is not None, "async_scheduling": engine.async_scheduling,
+                       "rows": rows}, f, indent=2)
     return 0
 
 

@@ -37,6 +37,7 @@ LARGE_GPU_MAX_NUM_SEQS = 1024
 LARGE_GPU_TOKEN_BUDGET = {"offline": 16384, "serving": 8192}
 LoadFormat = Literal["auto", "gguf", "safetensors", "dummy"]
 KVRole = Literal["producer", "consumer", "both"]
+AsyncScheduling = Literal["auto", "on", "off"]
 # How KV moves between engines: through the KV store service (a KVStore the
 # caller injects), copied straight from a prefill's shared memory on one host,
 # or read from a prefill's cache on any host through NIXL.
@@ -125,6 +126,9 @@ class EngineConfig:
     # Offline use (LLM.generate): throughput first, so a larger default token
     # budget on large GPUs; a serving engine keeps steps shorter.
     offline: bool = False
+    # Schedule the next step while this one's tokens are on their way from
+    # the device: auto on GPUs, on also on the CPU (tests: no gain there), off.
+    async_scheduling: AsyncScheduling = "auto"
 
     def with_defaults(self) -> "EngineConfig":
         """A copy with every device-dependent default (None) decided."""
@@ -287,6 +291,13 @@ class EngineArgs:
         "channels); with --kv-transfer store (an engine of any "
         "size loads the blocks one of any other saved), not with --kv-transfer direct or nixl, "
         "--speculative-config or --swap-space yet", group=_RUNTIME, metavar="N")
+    async_scheduling: AsyncScheduling = flag_field(
+        "auto", "schedule and queue the next step while this step's sampled tokens are on their "
+        "way from the device, so the host's work (scheduling, preparing inputs, stop rules, text) "
+        "overlaps the GPU's: auto (on GPUs), on (on the CPU too, where it gains nothing), off. "
+        "Steps whose next sampling needs this step's tokens on the host (grammars, penalties, "
+        "min_tokens, speculative decoding, tensor parallelism) run in turn either way; a request "
+        "that stops computes one token more, which is dropped", group=_RUNTIME)
     attention_backend: AttentionBackend = flag_field(
         "auto", "kernels on CUDA: auto or triton run the Triton kernels; torch runs their "
         "plain-torch twins (for debugging), and then decode runs without CUDA graphs, since the "
@@ -387,6 +398,7 @@ class EngineArgs:
             device=self.device,
             enforce_eager=self.enforce_eager,
             attention_backend=self.attention_backend,
+            async_scheduling=self.async_scheduling,
             kv_transfer=None if self.kv_transfer in ("none", None) else self.kv_transfer,
             kv_role=self.kv_role,
             kv_hold_timeout_s=self.kv_hold_timeout,

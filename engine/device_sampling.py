@@ -17,7 +17,7 @@ same device; they differ from the CPU's for the same seed, as in vLLM.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
@@ -139,6 +139,16 @@ def sample(logits: torch.Tensor, requests: Sequence[Request], vocab_size: int) -
     """sampler.Sampler's result for a batch of logits on the device (grammar
     masks applied already). Rows no token can be drawn from fail their
     request, with sampler.py's messages."""
+    _, result = launch(logits, requests, vocab_size)
+    return result()
+
+
+def launch(logits: torch.Tensor, requests: Sequence[Request],
+           vocab_size: int) -> tuple[torch.Tensor, Callable[[], "SampleResult"]]:
+    """Queue the batch's sampling on the device: (its tokens there, a call that
+    waits for them on the host and returns the SampleResult). The results
+    travel to the host by one non-blocking copy per kind, so the host may
+    queue the next step before it waits."""
     from tandem.engine.sampler import SampleResult, _nothing_allowed, no_probability_error
 
     logits = logits.to(torch.float32, copy=True)  # edited in place below; the caller's rows stay as they were
@@ -158,34 +168,49 @@ def sample(logits: torch.Tensor, requests: Sequence[Request], vocab_size: int) -
         # Finite logits can still overflow once divided by the temperature.
         unusable[rows] = ~torch.isfinite(probs).all(dim=1)
         tokens[rows] = draw(torch.nan_to_num(probs, nan=0.0), requests, sampled)
-    # One transfer: tokens, then the flags of rows that cannot be drawn from.
-    flags = torch.stack([tokens, broken.long(), empty.long(), unusable.long()])
-    chosen = None
+    # Tokens, then the flags of rows that cannot be drawn from: one copy.
+    flags = to_host(torch.stack([tokens, broken.long(), empty.long(), unusable.long()]))
+    k = max((n for n in num_top if n is not None), default=0)
+    chosen = top = None
     if raw_logprobs is not None:
-        chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        k = max(n for n in num_top if n is not None)
-        top_values, top_ids = torch.topk(raw_logprobs, k, dim=1) if k > 0 else (None, None)
-    token_list, broken_list, empty_list, unusable_list = flags.tolist()
-    errors: dict[int, RequestFailedError] = {}
-    for i, r in enumerate(requests):
-        if empty_list[i] and i in masked:
-            errors[i] = RequestFailedError(
-                "min_tokens: while it holds, stop_token_ids and EOS ban every token of the "
-                "vocabulary, so no token can be sampled", field="min_tokens")
-        elif empty_list[i] and r.grammar is not None:
-            errors[i] = _nothing_allowed(r)
-        elif broken_list[i] or empty_list[i] or unusable_list[i]:
-            errors[i] = no_probability_error(r)
-    logprobs: list[Optional[TokenLogprob]] = [None] * len(requests)
-    if chosen is not None:
-        chosen_list = chosen.tolist()
-        tops = (top_values.tolist(), top_ids.tolist()) if k > 0 else None
-        for i, n in enumerate(num_top):
-            if n is None or i in errors:
-                continue
-            top = {}
-            if n > 0:
-                # A grammar may leave fewer than n tokens: forbidden ones are not alternatives.
-                top = {t: v for t, v in zip(tops[1][i][:n], tops[0][i][:n]) if v != float("-inf")}
-            logprobs[i] = TokenLogprob(token_list[i], chosen_list[i], top)
-    return SampleResult(token_list, logprobs, errors)
+        chosen = to_host(raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1))
+        if k > 0:
+            values, ids = torch.topk(raw_logprobs, k, dim=1)
+            top = (to_host(values), to_host(ids))
+    copied = torch.cuda.current_stream(logits.device).record_event() if logits.is_cuda else None
+
+    def result() -> SampleResult:
+        if copied is not None:
+            copied.synchronize()  # only this step's sampling: a later step may be running already
+        token_list, broken_list, empty_list, unusable_list = flags.tolist()
+        errors: dict[int, RequestFailedError] = {}
+        for i, r in enumerate(requests):
+            if empty_list[i] and i in masked:
+                errors[i] = RequestFailedError(
+                    "min_tokens: while it holds, stop_token_ids and EOS ban every token of the "
+                    "vocabulary, so no token can be sampled", field="min_tokens")
+            elif empty_list[i] and r.grammar is not None:
+                errors[i] = _nothing_allowed(r)
+            elif broken_list[i] or empty_list[i] or unusable_list[i]:
+                errors[i] = no_probability_error(r)
+        logprobs: list[Optional[TokenLogprob]] = [None] * len(requests)
+        if chosen is not None:
+            chosen_list = chosen.tolist()
+            tops = (top[0].tolist(), top[1].tolist()) if top is not None else None
+            for i, n in enumerate(num_top):
+                if n is None or i in errors:
+                    continue
+                alternatives = {}
+                if n > 0:
+                    # A grammar may leave fewer than n tokens: forbidden ones are not alternatives.
+                    alternatives = {t: v for t, v in zip(tops[1][i][:n], tops[0][i][:n]) if v != float("-inf")}
+                logprobs[i] = TokenLogprob(token_list[i], chosen_list[i], alternatives)
+        return SampleResult(token_list, logprobs, errors)
+
+    return tokens, result
+
+
+def to_host(x: torch.Tensor) -> torch.Tensor:
+    """x on the host; from a GPU, a non-blocking copy into pinned memory (read
+    it only after an event recorded behind it)."""
+    return x.to("cpu", non_blocking=True) if x.is_cuda else x

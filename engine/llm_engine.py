@@ -26,7 +26,7 @@ from tandem.engine.loader import ModelInfo, load_model_info
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.outputs import RequestOutput, request_output, take_external_tokens
 from tandem.engine.request import Request, RequestStatus, SamplingParams, SamplingParamsError
-from tandem.engine.sampler import Sampler
+from tandem.engine.sampler import PendingSample, Sampler
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.spec_decode.rejection_sampler import RejectionSampler, VerifyResult
 from tandem.engine.spec_decode.speculator import Speculator
@@ -98,6 +98,14 @@ class EngineStats:
     spec_decode_num_emitted_tokens: int = 0
 
 
+@dataclass
+class _InFlight:
+    """A step whose sampled tokens have not reached the host yet."""
+
+    requests: list[Request]  # its sampling requests, in row order
+    pending: PendingSample
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, info: Optional[ModelInfo] = None,
                  kv_store: Optional[KVStore] = None,
@@ -161,6 +169,13 @@ class LLMEngine:
         # Outputs produced outside a model step (a decode's first tokens that
         # came from prefill), handed out by the next step().
         self._ready: list[RequestOutput] = []
+        # Asynchronous scheduling: the step whose sampled tokens are still on
+        # their way to the host (taken by the next step()). Tensor-parallel
+        # workers and speculative decoding need each step's tokens on the host.
+        self._inflight: Optional[_InFlight] = None
+        self.async_scheduling = (config.async_scheduling == "on" or (
+            config.async_scheduling == "auto" and self.runner.device.type == "cuda")) and \
+            self.tp_workers is None and self.speculator is None
 
     def _eos_token_id(self) -> Optional[int]:
         eos = getattr(self.info.hf_config, "eos_token_id", None)
@@ -313,14 +328,21 @@ class LLMEngine:
         return self.scheduler.release_hold(request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self._ready) or self.scheduler.has_unfinished() or bool(self.structured.num_pending)
+        return (bool(self._ready) or self.scheduler.has_unfinished() or bool(self.structured.num_pending)
+                or self._inflight is not None)
 
     # ---- one step ------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step. With asynchronous scheduling (_defers) a step's sampled
+        tokens are left on the device: the next step is scheduled and queued
+        first, reading them there, and only then are they taken (stop rules,
+        text, outputs), so the host's work overlaps the device's. Its outputs
+        then come from the next call."""
         ready, self._ready = self._ready, []
         if self.structured.num_pending:
             ready += self._admit_compiled()
         scheduler, connector, runner = self.scheduler, self.connector, self.runner
+        inflight, self._inflight = self._inflight, None
         times, clock = self.step_times, time.perf_counter
         t0 = clock()
         plan = scheduler.schedule()
@@ -328,9 +350,10 @@ class LLMEngine:
             self.speculator.forget(plan.freed_request_ids)  # preempted ones (the rest went already)
         t1 = clock()
         runner.swap(plan)  # even for an empty plan: a lone request may have been swapped out
-        self.last_step_empty = plan.is_empty and not ready  # e.g. every request waits on its KV fetch
+        # e.g. every request waits on its KV fetch
+        self.last_step_empty = plan.is_empty and not ready and inflight is None
         if plan.is_empty:
-            return ready
+            return ready + self._take(inflight)
         before_layer = after_layer = None
         meta = plan.connector_meta
         if connector is not None and (meta.loads or meta.saves):
@@ -346,7 +369,7 @@ class LLMEngine:
         t1_loaded = clock()  # the host tier's copies and the connector's loads count in no phase
         if self.tp_workers is not None:
             self.tp_workers.run(plan)
-        batch = runner.prepare(plan)
+        batch = runner.prepare(plan, inflight.pending.tokens if inflight is not None else None)
         t2 = clock()
         logits = runner.forward(batch, plan, before_layer, after_layer)
         if after_layer is not None:
@@ -359,6 +382,14 @@ class LLMEngine:
             t4 = clock()
             outputs += scheduler.update_verified(result.token_ids, result.logprobs, result.num_accepted,
                                                  result.errors)
+        elif logits is not None and self._defers(requests):
+            pending = self.sampler.launch(logits, requests)
+            t4 = clock()
+            # The step before's tokens, while this one runs; this one's next time.
+            outputs += self._take(inflight)
+            for row, request in enumerate(requests):
+                request.pending_token_row = row
+            self._inflight = _InFlight(requests, pending)
         elif logits is not None:
             structured = self.structured
             masks = structured.bitmask(requests) if structured.in_use else None
@@ -366,9 +397,11 @@ class LLMEngine:
             if masks is not None:
                 structured.accept(requests, result.token_ids, result.errors)
             t4 = clock()
-            outputs += scheduler.update(result.token_ids, result.logprobs, result.errors)
+            outputs += self._take(inflight)  # the step before's tokens come first
+            outputs += scheduler.update(result.token_ids, result.logprobs, result.errors, requests)
         else:
             t4 = t3
+            outputs += self._take(inflight)
         t5 = clock()
         if self.speculator is not None and logits is not None:
             # Finished requests' draft state goes now, not with the next plan's
@@ -379,6 +412,27 @@ class LLMEngine:
         times.schedule, times.prepare, times.forward = t1 - t0, t2 - t1_loaded, t3 - t2
         times.sample, times.update, times.propose = t4 - t3, t5 - t4, t6 - t5
         return outputs
+
+    def _defers(self, requests: list[Request]) -> bool:
+        """Whether this step's tokens may stay on the device while the next
+        step is scheduled: asynchronous scheduling is on, and no request's
+        next sampling needs this token on the host (a grammar's mask,
+        penalties over its history, min_tokens still counting)."""
+        if not self.async_scheduling:
+            return False
+        for r in requests:
+            p = r.params
+            if (r.grammar is not None or p.structured_outputs is not None or p.repetition_penalty != 1.0
+                    or p.presence_penalty or p.frequency_penalty or r.num_output_tokens < p.min_tokens):
+                return False
+        return True
+
+    def _take(self, inflight: Optional["_InFlight"]) -> list[RequestOutput]:
+        """The tokens of a step left in flight, once on the host: the update step."""
+        if inflight is None:
+            return []
+        result = inflight.pending.result()
+        return self.scheduler.update(result.token_ids, result.logprobs, result.errors, inflight.requests)
 
     def _verify(self, logits, requests: list[Request], drafts: list[list[int]]) -> VerifyResult:
         """Sample a step whose plan carries draft tokens: requests with drafts

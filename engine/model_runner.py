@@ -177,10 +177,13 @@ class ModelRunner:
         return num
 
     # ---- inputs --------------------------------------------------------
-    def prepare(self, plan: SchedulerOutput) -> BatchInputs:
+    def prepare(self, plan: SchedulerOutput, pending_tokens: Optional[torch.Tensor] = None) -> BatchInputs:
         """The step's tensors. One pass over the plan brings the block tables up
         to date; everything else is whole-array numpy, so a decode step costs
-        little per request. The result is valid until the next prepare()."""
+        little per request. pending_tokens: the tokens the step in flight
+        samples, on the device, where the plan's pending entries read their
+        last input (asynchronous scheduling). The result is valid until the
+        next prepare()."""
         n = plan.num_entries
         if n >= len(self._arange):
             self._arange = np.arange(2 * n + 1, dtype=np.int64)
@@ -233,10 +236,15 @@ class ModelRunner:
         elif len(plan.sampled) != len(plan.token_ids):
             rows_sampled = query_start_loc[np.array(plan.sampled, dtype=np.int64) + 1] - 1
             logits_indices = torch.from_numpy(rows_sampled).to(dev, non_blocking=True)
-        return BatchInputs(
-            input_ids=torch.from_numpy(np.array(plan.token_ids, dtype=np.int64)).to(dev, non_blocking=True),
-            positions=torch.from_numpy(positions).to(dev, non_blocking=True),
-            meta=meta, logits_indices=logits_indices)
+        input_ids = torch.from_numpy(np.array(plan.token_ids, dtype=np.int64)).to(dev, non_blocking=True)
+        if plan.pending_entries:
+            # Each such entry's last input row; the token comes from the device,
+            # queued behind the step that samples it.
+            rows = query_start_loc[np.array(plan.pending_entries, dtype=np.int64) + 1] - 1
+            sources = torch.from_numpy(np.array(plan.pending_rows, dtype=np.int64)).to(dev, non_blocking=True)
+            input_ids[torch.from_numpy(rows).to(dev, non_blocking=True)] = pending_tokens[sources]
+        return BatchInputs(input_ids=input_ids, positions=torch.from_numpy(positions).to(dev, non_blocking=True),
+                           meta=meta, logits_indices=logits_indices)
 
     # ---- execution -----------------------------------------------------
     def swap(self, plan: SchedulerOutput) -> None:

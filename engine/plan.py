@@ -16,6 +16,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 
+# Stands in token_ids for a token sampled by the step in flight (a real id,
+# so the inputs stay valid; the runner writes the token over it).
+PENDING_TOKEN = 0
+
+
 @dataclass
 class SchedulerOutput:
     request_ids: list[str] = field(default_factory=list)
@@ -45,6 +50,12 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     # The KV connector's whole job for this step (loads, saves), or None.
     connector_meta: Optional[object] = None
+    # Asynchronous scheduling: entries whose last input token was sampled by
+    # the step still in flight (token_ids holds PENDING_TOKEN there), and
+    # that token's row among that step's sampled tokens, aligned. The runner
+    # fills those inputs on the device.
+    pending_entries: list[int] = field(default_factory=list)
+    pending_rows: list[int] = field(default_factory=list)
 
     @property
     def num_entries(self) -> int:

@@ -235,7 +235,7 @@ class Request:
                  "logprobs", "num_cached_tokens", "num_external_tokens", "num_preemptions", "stop_reason",
                  "kv_transfer_params", "stop_token_set", "blocks", "block_ids", "num_named_blocks",
                  "block_hashes", "host_slots", "num_host_tokens", "detokenizer", "generator", "device_generator",
-                 "grammar", "spec_token_ids", "__weakref__")
+                 "grammar", "spec_token_ids", "pending_token_row", "__weakref__")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_id: Optional[int] = None, arrival_time: Optional[float] = None,
@@ -283,6 +283,10 @@ class Request:
         # Speculative decoding: tokens proposed to follow all_token_ids, verified
         # at the request's next step (the scheduler takes them: NO_DRAFTS again).
         self.spec_token_ids: list[int] = NO_DRAFTS
+        # Asynchronous scheduling: the token this request sampled in the step
+        # still in flight is not known here yet; its row among that step's
+        # sampled tokens (the next step's input reads it on the device), or -1.
+        self.pending_token_row = -1
 
     # The unified progress rule: two numbers.
     @property
@@ -294,9 +298,22 @@ class Request:
         return len(self.output_token_ids)
 
     @property
+    def num_pending_tokens(self) -> int:
+        """1 while a token sampled for it is on its way from the device, else 0."""
+        return 1 if self.pending_token_row >= 0 else 0
+
+    @property
     def num_remaining_tokens(self) -> int:
         """Tokens still to compute before the next token can be sampled (SRTF's Δ)."""
-        return self.num_tokens - self.num_computed_tokens
+        return self.num_tokens + self.num_pending_tokens - self.num_computed_tokens
+
+    def ends_with_pending_token(self, max_model_len: int) -> bool:
+        """The pending token is certainly its last (max_tokens or the context
+        is reached with it): nothing is scheduled after it."""
+        max_tokens = self.params.max_tokens
+        return self.pending_token_row >= 0 and (
+            (max_tokens is not None and self.num_output_tokens + 1 >= max_tokens)
+            or self.num_tokens + 1 >= max_model_len)
 
     @property
     def is_finished(self) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -31,6 +31,16 @@ class SampleResult:
     # Row -> why that request could not be sampled. Its token id is a
     # placeholder; the engine fails the request alone and keeps stepping.
     errors: dict[int, RequestFailedError] = field(default_factory=dict)
+
+
+@dataclass
+class PendingSample:
+    """A step's sampling queued where its logits are: `tokens` there (the next
+    step's inputs read them without a round trip) and result(), which waits
+    for them to reach the host (asynchronous scheduling)."""
+
+    tokens: torch.Tensor
+    result: Callable[[], SampleResult]
 
 
 def plain_greedy(r: Request) -> bool:
@@ -126,6 +136,29 @@ class Sampler:
             if one.errors:
                 out.errors[i] = one.errors[0]
         return out
+
+    def launch(self, logits: torch.Tensor, requests: Sequence[Request]) -> PendingSample:
+        """Queue the batch's sampling without waiting for it. The batch needs
+        nothing the host learns from this step (the engine samples constrained
+        batches through __call__); on the CPU it is sampled now."""
+        logits = logits[:, : self.vocab_size]
+        if all(plain_greedy(r) for r in requests):
+            tokens = logits.argmax(dim=-1)
+            host = device_sampling.to_host(tokens)
+            copied = torch.cuda.current_stream(logits.device).record_event() if logits.is_cuda else None
+
+            def greedy() -> SampleResult:
+                if copied is not None:
+                    copied.synchronize()
+                return SampleResult(host.tolist(), [None] * len(requests))
+            return PendingSample(tokens, greedy)
+        if logits.is_cuda:
+            try:
+                return PendingSample(*device_sampling.launch(logits, requests, self.vocab_size))
+            except Exception:  # __call__ below falls back to the CPU, row by row
+                log.exception("sampling the batch on %s failed; sampling it on the CPU", logits.device)
+        done = self(logits, requests)
+        return PendingSample(torch.tensor(done.token_ids, device=logits.device), lambda: done)
 
     @staticmethod
     def _masked_greedy(tokens: list[int], requests: Sequence[Request]) -> SampleResult:

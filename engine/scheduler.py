@@ -32,7 +32,7 @@ from tandem.engine.config import SchedulerConfig
 from tandem.engine.kv_cache_manager import NO_NEW_BLOCKS, KVCacheManager
 from tandem.engine.kv_holds import KVHolds
 from tandem.engine.outputs import NO_LOGPROBS, RequestOutput, request_output
-from tandem.engine.plan import SchedulerOutput
+from tandem.engine.plan import PENDING_TOKEN, SchedulerOutput
 from tandem.engine.request import NO_DRAFTS, Request, RequestFailedError, RequestStatus, TokenLogprob
 
 if TYPE_CHECKING:
@@ -201,7 +201,11 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             tokens = request.all_token_ids
             start = request.num_computed_tokens
-            num_new = len(tokens) - start  # what _chunk decides, inline: this runs for every request
+            pending = request.pending_token_row >= 0  # its last token is still on the device
+            if pending and request.ends_with_pending_token(self.max_model_len):
+                continue  # finished once that token arrives: nothing to compute after it
+            known = len(tokens) + pending
+            num_new = known - start  # what _chunk decides, inline: this runs for every request
             if num_new > budget:
                 num_new = budget
             if 0 < threshold < num_new:
@@ -232,15 +236,20 @@ class Scheduler:
             if new_blocks is None:
                 continue
             budget -= num_new
-            if new_blocks is NO_NEW_BLOCKS and start + 1 == len(tokens) and start >= request.num_prompt_tokens:
+            if new_blocks is NO_NEW_BLOCKS and start + 1 == known and start >= request.num_prompt_tokens:
                 # What _emit does for a decode into a slot the request holds.
                 request.num_computed_tokens = start + 1
+                if pending:
+                    out.pending_entries.append(len(request_ids))
+                    out.pending_rows.append(request.pending_token_row)
+                    token_ids.append(PENDING_TOKEN)
+                else:
+                    token_ids.append(tokens[start])
                 sampled.append(len(request_ids))
                 request_ids.append(request.request_id)
                 starts.append(start)
                 counts.append(1)
                 new_block_ids.append(NO_BLOCK_IDS)
-                token_ids.append(tokens[start])
                 sampling.append(request)
             else:
                 self._emit(request, num_new, new_blocks, out)
@@ -271,6 +280,8 @@ class Scheduler:
         """Try to start a waiting request; returns tokens used (0: it did not fit)."""
         if len(self.running) >= self.config.max_num_seqs:
             return 0
+        if request.pending_token_row >= 0:
+            return 0  # preempted while its last token was in flight: back once that token is here
         if self.connector is not None and not self.connector.is_ready(request):
             return 0  # its KV is still being fetched
         hits, num_hit_tokens = self.kv.get_computed_blocks(request)
@@ -378,11 +389,11 @@ class Scheduler:
             out.sampled.append(entry)
             self._sampling.append(request)
             return
-        if num_new == 1:
-            out.token_ids.append(tokens[start])
-        else:
-            out.token_ids.extend(tokens[start:end])
-        if end == len(tokens):  # reaches the last known token: its logits are sampled
+        out.token_ids.extend(self._entry_tokens(request, start, end))
+        if end > len(tokens):  # ends with the token in flight
+            out.pending_entries.append(len(out.request_ids) - 1)
+            out.pending_rows.append(request.pending_token_row)
+        if end == len(tokens) + request.num_pending_tokens:  # reaches its last token: its logits are sampled
             out.sampled.append(len(out.request_ids) - 1)
             self._sampling.append(request)
         prompt_end = request.num_prompt_tokens
@@ -406,21 +417,41 @@ class Scheduler:
                     self.stats.prompt_tokens_computed += moved
                 request.num_external_tokens = 0
             drafts = self._entry_drafts.get(i, NO_DRAFTS)
-            tokens.extend(request.all_token_ids[start:start + num_new - len(drafts)])
+            tokens.extend(self._entry_tokens(request, start, start + num_new - len(drafts)))
             tokens.extend(drafts)
         plan.token_ids = tokens
 
+    @staticmethod
+    def _entry_tokens(request: Request, start: int, end: int) -> list[int]:
+        """The input ids of tokens [start, end) of the request: the known ones,
+        and PENDING_TOKEN for the one in flight (the last, when end passes them)."""
+        tokens = request.all_token_ids
+        if end <= len(tokens):
+            return [tokens[start]] if end == start + 1 else tokens[start:end]
+        return [*tokens[start:], PENDING_TOKEN]
+
     # ---- the update step ---------------------------------------------
     def update(self, token_ids: Sequence[int], logprobs: Sequence[Optional[TokenLogprob]],
-               errors: dict[int, RequestFailedError]) -> list[RequestOutput]:
+               errors: dict[int, RequestFailedError],
+               requests: Optional[Sequence[Request]] = None) -> list[RequestOutput]:
         """Take the tokens sampled for the last plan's sampled entries (in the
-        order of sampling_requests): stop rules, text, outputs; finished
-        requests are let go. errors[i]: sampling failed for entry i's request,
-        which fails alone."""
+        order of sampling_requests; or for `requests`, an earlier plan's, when
+        its tokens arrive a step late: asynchronous scheduling): stop rules,
+        text, outputs; finished requests are let go. errors[i]: sampling
+        failed for entry i's request, which fails alone. A request that ended
+        meanwhile (aborted, or stopped by its token of the step before) takes
+        nothing."""
         outputs: list[RequestOutput] = []
-        self.stats.generation_tokens += len(token_ids) - len(errors)
-        for i, (request, token, logprob) in enumerate(zip(self._sampling, token_ids, logprobs)):
+        if requests is None:
+            requests = self._sampling
+            self._sampling = []
+        for i, (request, token, logprob) in enumerate(zip(requests, token_ids, logprobs)):
+            request.pending_token_row = -1
+            if request.is_finished:
+                continue
             error = errors.get(i)
+            if error is None:
+                self.stats.generation_tokens += 1
             if error is None:
                 try:
                     outputs.append(self._take_token(request, token, logprob))
@@ -430,7 +461,6 @@ class Scheduler:
                     error = RequestFailedError(f"the engine failed this request: {exc!r}",
                                                caused_by_request=False)
             outputs.append(self.fail(request, error))
-        self._sampling = []
         return outputs
 
     def update_verified(self, token_ids: Sequence[Sequence[int]],

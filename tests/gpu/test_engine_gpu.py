@@ -206,3 +206,26 @@ def test_sampled_requests_are_drawn_on_the_gpu(tmp_path, monkeypatch):
     first, again = (llm.generate(prompts()[:4], params) for _ in range(2))
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
     assert all(o.outputs[0].finish_reason == "length" and len(o.outputs[0].logprobs) == 12 for o in first)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
+def test_asynchronous_scheduling_answers_as_step_by_step(tmp_path, temperature):
+    """On by default on a GPU: each step's inputs read the step before's
+    tokens on the device, and its tokens reach the host a step later; the
+    answers are those of the engine that waits for every step."""
+    from tandem.engine import LLM, SamplingParams
+
+    path, _ = tiny_model_dir(tmp_path, "llama")
+    params = [SamplingParams(temperature=temperature, seed=3 + i, max_tokens=8 + 5 * i, stop_token_ids=[7],
+                             logprobs=2) for i in range(len(LENGTHS))]
+    answers = {}
+    for mode in ("auto", "off"):
+        llm = LLM(path, device="cuda", dtype="float32", async_scheduling=mode, num_blocks=1024,
+                  max_num_batched_tokens=256)
+        assert llm.engine.async_scheduling == (mode == "auto")
+        outs = llm.generate(prompts(), params)
+        answers[mode] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason,
+                          [round(lp.logprob, 4) for lp in o.outputs[0].logprobs]) for o in outs]
+        pool = llm.engine.kv.pool
+        assert pool.num_free_blocks == pool.num_usable_blocks
+    assert answers["auto"] == answers["off"]

@@ -98,6 +98,19 @@ def test_smollm2_preemption_matches_hf(smol, swap_space):
         assert stats.kv_swapped_out_blocks == 0
 
 
+def test_smollm2_asynchronous_scheduling_matches_hf_through_chunks_and_preemption(smol):
+    """Each step scheduled while the last one's tokens are still in flight
+    (forced on here: on the CPU it only changes the order of the work), with
+    small prefill chunks and too few blocks: preempted requests too."""
+    llm = LLM("smollm2", async_scheduling="on", num_blocks=41, max_num_batched_tokens=48,
+              long_prefill_token_threshold=32)
+    assert llm.engine.async_scheduling
+    outputs = run_engine(llm, smol["prompts"])
+    assert llm.engine.stats().num_preemptions > 0, "the test must force preemption"
+    check_against_oracle(outputs, smol["refs"], exact=True)
+    assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.pool.num_usable_blocks
+
+
 def test_smollm2_preemption_with_a_tier_too_small_recomputes_and_matches_hf(smol):
     llm = LLM("smollm2", num_blocks=41, swap_space=1.5 * SMOL_BLOCK_GIB)  # one slot
     assert llm.engine.swapper.tier.num_slots == 1
