@@ -27,16 +27,23 @@ if TYPE_CHECKING:
     from tandem.engine.sampler import SampleResult
 
 
+def _on(device: torch.device, values, dtype) -> torch.Tensor:
+    """A small host list on the device without waiting for the device's queue
+    (a blocking copy would wait for the step before, which asynchronous
+    scheduling leaves running; a pageable source is staged at once)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def _column(values: Sequence[float], device: torch.device, dtype=torch.float32) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
+    return _on(device, values, dtype).unsqueeze(1)
 
 
 def _scatter_rows(logits: torch.Tensor, rows: list[int], cols: list[int], values, accumulate: bool) -> None:
     """logits[rows[j], cols[j]] = values[j] (or += with accumulate), in one launch."""
     device = logits.device
-    index = (torch.tensor(rows, dtype=torch.long, device=device), torch.tensor(cols, dtype=torch.long, device=device))
+    index = (_on(device, rows, torch.long), _on(device, cols, torch.long))
     if not torch.is_tensor(values):
-        values = torch.tensor(values, dtype=logits.dtype, device=device)
+        values = _on(device, values, logits.dtype)
     logits.index_put_(index, values, accumulate=accumulate)
 
 
@@ -58,12 +65,11 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[Request], vocab_siz
     for i, r in enumerate(requests):
         p = r.params
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(t for t in set(r.all_token_ids) if t < vocab_size), dtype=torch.long,
-                                device=device)
+            seen = _on(device, sorted(t for t in set(r.all_token_ids) if t < vocab_size), torch.long)
             values = logits[i, seen]
             logits[i, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
-            out = torch.tensor(r.output_token_ids, dtype=torch.long, device=device)
+            out = _on(device, r.output_token_ids, torch.long)
             counts = torch.bincount(out, minlength=vocab_size)[:vocab_size].float()
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
 
@@ -83,8 +89,7 @@ def mask_early_stop(logits: torch.Tensor, requests: Sequence[Request], vocab_siz
             cols += banned
             masked.add(i)
     if rows:
-        _scatter_rows(logits, rows, cols, torch.tensor(float("-inf"), device=logits.device).expand(len(rows)),
-                      accumulate=False)
+        _scatter_rows(logits, rows, cols, [float("-inf")] * len(rows), accumulate=False)
     return masked
 
 
@@ -103,7 +108,7 @@ def filtered_probs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
         # Each row's k-th largest from one topk of the largest k asked (not a
         # sort of the vocabulary); rows without top-k keep everything.
         largest = x.topk(max(top_k), dim=1).values
-        k = torch.tensor(top_k, dtype=torch.long, device=device).unsqueeze(1)
+        k = _column(top_k, device, torch.long)
         kth = largest.gather(1, (k - 1).clamp(min=0)).masked_fill(k == 0, float("-inf"))
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=1)
@@ -163,7 +168,7 @@ def launch(logits: torch.Tensor, requests: Sequence[Request],
     sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
     unusable = torch.zeros_like(broken)
     if sampled:
-        rows = torch.tensor(sampled, dtype=torch.long, device=logits.device)
+        rows = _on(logits.device, sampled, torch.long)
         probs = filtered_probs(logits[rows], [requests[i] for i in sampled])
         # Finite logits can still overflow once divided by the temperature.
         unusable[rows] = ~torch.isfinite(probs).all(dim=1)
