@@ -9,6 +9,10 @@ on a GPU that is every row of [batch, vocabulary] in fp32 over PCIe each step
 on a few cores, which outweighed the model's own step. Greedy rows never
 needed it; sampled rows (temperature above 0, the OpenAI API's default) did.
 
+The edits before the draw (logit bias, penalties, min_tokens) are these
+functions on the CPU too (sampler.py calls them on its rows); its row-by-row
+filters and draw stay the oracle of filtered_probs and draw here.
+
 The draw is the exponential race: with E_i independent Exp(1), the index of
 the largest p_i / E_i is i with probability p_i, so one argmax draws every
 row at once. A seeded request draws its row's E with a generator of its own
@@ -60,7 +64,9 @@ def apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> None:
 
 
 def apply_penalties(logits: torch.Tensor, requests: Sequence[Request], vocab_size: int) -> None:
-    """sampler.Sampler._apply_penalties on the device: only rows that ask pay."""
+    """Repetition penalty (HF's: every token seen, prompt or output) and
+    presence and frequency penalties (OpenAI's: output tokens only), in
+    place; only rows that ask pay."""
     device = logits.device
     for i, r in enumerate(requests):
         p = r.params

@@ -422,7 +422,7 @@ class LLMEngine:
             return False
         for r in requests:
             p = r.params
-            if (r.grammar is not None or p.structured_outputs is not None or p.repetition_penalty != 1.0
+            if (p.structured_outputs is not None or p.repetition_penalty != 1.0
                     or p.presence_penalty or p.frequency_penalty or r.num_output_tokens < p.min_tokens):
                 return False
         return True

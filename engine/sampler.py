@@ -208,45 +208,19 @@ class Sampler:
                 errors[i] = no_probability_error(r)
         return errors
 
-    def apply_logit_bias(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-        for i, r in enumerate(requests):
-            bias = r.params.logit_bias
-            if bias:
-                ids = torch.tensor(list(bias.keys()), dtype=torch.long)
-                logits[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype)
+    # The edits before the draw are the device sampler's, on the CPU's rows too.
+    @staticmethod
+    def apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        device_sampling.apply_logit_bias(logits, requests)
         return logits
 
     def _apply_penalties(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-        for i, r in enumerate(requests):
-            p = r.params
-            if p.repetition_penalty != 1.0:
-                # HF semantics: every token seen in prompt or output
-                seen = torch.tensor(sorted(set(r.all_token_ids)), dtype=torch.long)
-                seen = seen[seen < self.vocab_size]
-                values = logits[i, seen]
-                logits[i, seen] = torch.where(values > 0, values / p.repetition_penalty,
-                                              values * p.repetition_penalty)
-            if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
-                # OpenAI semantics: output tokens only
-                out = torch.tensor(r.output_token_ids, dtype=torch.long)
-                counts = torch.bincount(out, minlength=self.vocab_size)[: self.vocab_size].float()
-                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        device_sampling.apply_penalties(logits, requests, self.vocab_size)
         return logits
 
     def _mask_early_stop(self, logits: torch.Tensor, requests: Sequence[Request]) -> set[int]:
         """-inf for stop tokens and EOS while min_tokens holds; returns the rows masked."""
-        masked = set()
-        for i, r in enumerate(requests):
-            if r.num_output_tokens >= r.params.min_tokens:
-                continue
-            banned = list(r.params.stop_token_ids)
-            if r.eos_token_id is not None and not r.params.ignore_eos:
-                banned.append(r.eos_token_id)
-            banned = [t for t in banned if t < self.vocab_size]
-            if banned:
-                logits[i, banned] = float("-inf")
-                masked.add(i)
-        return masked
+        return device_sampling.mask_early_stop(logits, requests, self.vocab_size)
 
     def _draw(self, logits: torch.Tensor, requests: Sequence[Request],
               errors: dict[int, RequestFailedError]) -> list[int]:

@@ -452,7 +452,6 @@ class Scheduler:
             error = errors.get(i)
             if error is None:
                 self.stats.generation_tokens += 1
-            if error is None:
                 try:
                     outputs.append(self._take_token(request, token, logprob))
                     continue
