@@ -110,6 +110,7 @@ class TPWorkers:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         log.info("tensor parallelism: %d ranks, workers %s", world, [p.pid for p in self.procs])
         init_tp(0, world, init_method)
+        self.kv_view: Optional[TPKVCacheView] = None  # set by cache_view when the engine has a KV connector
 
     def share_num_blocks(self, num_blocks: int) -> None:
         """Every rank sizes its KV cache as rank 0 did (their memory may differ)."""
