@@ -173,6 +173,7 @@ class LLMEngine:
         # their way to the host (taken by the next step()). Tensor-parallel
         # workers and speculative decoding need each step's tokens on the host.
         self._inflight: Optional[_InFlight] = None
+        self._unseen_freed: list[str] = []  # freed ids of plans that did not run (step)
         self.async_scheduling = (config.async_scheduling == "on" or (
             config.async_scheduling == "auto" and self.runner.device.type == "cuda")) and \
             self.tp_workers is None and self.speculator is None
@@ -353,7 +354,14 @@ class LLMEngine:
         # e.g. every request waits on its KV fetch
         self.last_step_empty = plan.is_empty and not ready and inflight is None
         if plan.is_empty:
+            # Only plans that run reach the runner and the tensor-parallel
+            # workers: this one's freed ids go with the next, or a request that
+            # preempted itself here would come back onto its old block list.
+            self._unseen_freed += plan.freed_request_ids
             return ready + self._take(inflight)
+        if self._unseen_freed:
+            plan.freed_request_ids[:0] = self._unseen_freed
+            self._unseen_freed = []
         before_layer = after_layer = None
         meta = plan.connector_meta
         if connector is not None and (meta.loads or meta.saves):

@@ -157,12 +157,7 @@ class Scheduler:
                 self._schedule_waiting_fifo(budget, out)
         else:
             self._schedule_srtf(budget, out)
-        if not out.is_empty:
-            # Only a plan that runs reaches the runner (and tensor-parallel
-            # workers): an empty one keeps the freed ids for the next. A request
-            # that preempted itself and comes back under the same id must find
-            # its old block list gone.
-            out.freed_request_ids, self._freed = self._freed, []
+        out.freed_request_ids, self._freed = self._freed, []
         self._drafts = []
         if self._entry_drafts:
             self._drafts = [self._entry_drafts.get(e, NO_DRAFTS) for e in out.sampled]

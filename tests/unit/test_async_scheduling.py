@@ -122,3 +122,25 @@ def test_the_kv_store_connector_loads_and_saves_under_asynchronous_scheduling(tm
         assert texts[0] == texts[1] and stats.kv_load_blocks > 0 and stats.recompute_fallbacks == 0
     finally:
         store.stop()
+
+
+def test_a_request_that_preempts_itself_in_a_step_that_runs_nothing_comes_back_on_its_own_blocks(tmp_path):
+    """Two usable blocks. The first request's last token is in flight, so
+    nothing is scheduled for it; the second needs a block for its next token,
+    finds none and preempts itself: the plan runs nothing and never reaches
+    the runner. Its freed id must still reach the runner with the next plan,
+    or the second request comes back onto its old block list."""
+    from tests.support.hf_oracle import tiny_model_dir
+
+    path, _ = tiny_model_dir(tmp_path, "llama", lm_head_scale=8.0)
+    prompts = [list(range(2, 17)), list(range(20, 36))]  # 15 and 16 tokens: one block each
+    params = [SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)]
+    answers = {}
+    for mode in ("off", "on"):
+        llm = LLM(path, async_scheduling=mode, num_blocks=3)
+        outputs = llm.generate(prompts, params)
+        answers[mode] = [o.outputs[0].token_ids for o in outputs]
+        if mode == "on":
+            assert llm.engine.stats().num_preemptions > 0, "the test must make the second request preempt itself"
+    assert answers["on"] == answers["off"]

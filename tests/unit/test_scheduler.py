@@ -170,23 +170,3 @@ def test_fifo_head_of_line_blocks_but_srtf_does_not():
         results[policy] = steps
     assert results["srtf"] == 1 and results["fifo"] > 5
 
-
-def test_a_plan_that_runs_nothing_keeps_its_freed_ids_for_the_next_one():
-    """The runner (and tensor-parallel workers) see only plans that run. A
-    request that preempts itself in a step that runs nothing must still have
-    its old block list forgotten there before it comes back under its id: the
-    freed id travels with the next plan that runs. (Here, as under
-    asynchronous scheduling, the other running request waits for its last
-    token, still in flight.)"""
-    sched = make(num_blocks=3)  # two usable blocks
-    first, second = request(15, max_tokens=2), request(16, max_tokens=8)
-    sched.add_request(first)
-    sched.add_request(second)
-    step(sched)  # both prefill and take a token; every block is taken
-    first.pending_token_row = 0  # its last token is on its way
-    plan = sched.schedule()
-    assert plan.is_empty and second.status is RequestStatus.PREEMPTED and plan.freed_request_ids == []
-    sched.update([7], [None], {}, requests=[first])  # it lands: first is done, its block free
-    plan = sched.schedule()
-    assert plan.request_ids == [second.request_id]
-    assert sorted(plan.freed_request_ids) == sorted([first.request_id, second.request_id])
