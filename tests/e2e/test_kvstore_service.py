@@ -34,6 +34,15 @@ def health_status(target: str, service: str = "") -> int:
     return reply.status
 
 
+def all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of PID shows state "T" in /proc (a SIGSTOP took effect)."""
+    states = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/stat") as stat:
+            states.append(stat.read().rsplit(")", 1)[1].split()[0])
+    return all(state == "T" for state in states)
+
+
 def wait_for(predicate, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -181,6 +190,9 @@ def test_client_gives_up_at_its_deadline_when_the_server_hangs():
             c.put([("k", b"v")])
             proc.process.send_signal(signal.SIGSTOP)  # listening, never answering
             try:
+                # kill() only queues the stop: a server thread still running
+                # could answer the next call before it takes effect.
+                wait_for(lambda: all_threads_stopped(proc.process.pid), 5, "the store to stop")
                 t0 = time.monotonic()
                 with pytest.raises(KVStoreUnavailable) as info:
                     c.get(["k"])
