@@ -2,7 +2,7 @@
 # The GPU figures of docs/benchmarks.md, in one go, from the repository root on a
 # CUDA machine whose Python has torch, triton and transformers (the lent H100
 # image has them; see ../shared/device/README.md). OUT: where JSON results go.
-# Usage: bash bench/gpu_figures.sh [kernels|tests|latency|throughput]...
+# Usage: bash bench/gpu_figures.sh [kernels|tests|latency|throughput|tp]...
 # kernels: the decode sweep (fused vs two-launch reduce, tiles, splits per SM) on
 # SWEEP_SHAPES (set it empty to skip the sweep), then the whole decode table with
 # the defaults.
@@ -32,6 +32,12 @@ for what in "${@:-tests latency throughput}"; do
         --steps 20 --output-json "$OUT/latency_llama3_8b.json"
       python -m tandem.bench.latency --preset llama-3-8b --batch-sizes 1,8 --context 512 --steps 20 \
         --enforce-eager --output-json "$OUT/latency_llama3_8b_eager.json" ;;
+    tp)  # needs two GPUs: the TP=2 tests, then Llama-3-8B decode steps at TP=2 and TP=1
+      timeout 240 python -m pytest -q -rxXs tests/gpu/test_tensor_parallel_gpu.py -p no:cacheprovider 2>&1 | tail -15
+      for tp in 2 1; do
+        timeout 150 python -m tandem.bench.latency --preset llama-3-8b --batch-sizes 1,64 --context 512 \
+          --steps 20 --tensor-parallel-size $tp --output-json "$OUT/latency_llama3_8b_tp$tp.json"
+      done ;;
     throughput)
       python -m tandem.bench.throughput --preset qwen3-0.6b --dataset sharegpt --num-prompts 1000 \
         --hf-batch-size 128 --output-json "$OUT/throughput_qwen3_0.6b.json" ;;

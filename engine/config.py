@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
@@ -146,9 +147,15 @@ class EngineConfig:
         (the engine: "auto" on a GPU host is cuda)."""
         if self.tensor_parallel_size <= 1:
             return
+        flag = f"--tensor-parallel-size {self.tensor_parallel_size}"
         if device == "cuda":
-            raise ConfigError("--tensor-parallel-size above 1 runs on CPUs only so far (gloo between "
-                              "the ranks); it has not run on GPUs: use --device cpu, or 1 on a GPU")
+            import torch
+
+            visible = torch.cuda.device_count()
+            if visible < self.tensor_parallel_size:
+                raise ConfigError(f"{flag} runs one rank per GPU and this process sees {visible} GPU(s) "
+                                  f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): "
+                                  f"make {self.tensor_parallel_size} visible, or lower the size")
         if self.kv_transfer not in (None, "store"):
             # Their handles point into one process's cache; a rank holds a slice of the heads.
             raise ConfigError(f"--tensor-parallel-size above 1 does not work with --kv-transfer "
@@ -286,9 +293,9 @@ class EngineArgs:
     tensor_parallel_size: int = flag_field(
         1, "engine processes the model is split across (tensor parallelism: attention heads, KV "
         "heads, MLP channels and the vocabulary divided among them; this process is rank 0 and "
-        "starts the others). Above 1: CPU engines only so far (gloo), models whose head, KV "
-        "head and MLP channel counts it divides (a mixture of experts' every expert splits its "
-        "channels); with --kv-transfer store (an engine of any "
+        "starts the others; on GPUs one rank per visible GPU, NCCL between them, gloo on CPUs). "
+        "Above 1: models whose head, KV head and MLP channel counts it divides (a mixture of "
+        "experts' every expert splits its channels); with --kv-transfer store (an engine of any "
         "size loads the blocks one of any other saved), not with --kv-transfer direct or nixl, "
         "--speculative-config or --swap-space yet", group=_RUNTIME, metavar="N")
     async_scheduling: AsyncScheduling = flag_field(

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from tandem.kernels import AttentionMetadata
+from tandem.engine.tensor_parallel import tp_group
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,10 @@ class DecodeGraphs:
 
     def _capture_each(self) -> None:
         pool = torch.cuda.graph_pool_handle()
+        # Under tensor parallelism NCCL's watchdog thread polls the events of
+        # earlier collectives while this thread captures: "global" would
+        # count those calls against the capture.
+        mode = "thread_local" if tp_group().world_size > 1 else "global"
         for b in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
             args = (self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b))
             stream = torch.cuda.Stream()
@@ -72,7 +77,7 @@ class DecodeGraphs:
                     self.model(*args)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
                 self.outputs[b] = self.model(*args)
             self.graphs[b] = graph
         torch.cuda.synchronize()

@@ -151,6 +151,8 @@ class LLMEngine:
         if self.max_model_len < self.info.max_model_len:
             log.warning("KV cache holds %d tokens: max_model_len lowered from %d", capacity,
                         self.info.max_model_len)
+        if self.tp_workers is not None:
+            self.tp_workers.share_max_model_len(self.max_model_len)
         self.runner.enable_cuda_graphs(self.max_model_len)
         self.sampler = Sampler(self.info.hf_config.vocab_size)
         self.rejection_sampler = RejectionSampler(self.sampler)

@@ -25,7 +25,7 @@ from tandem.engine.loader import ModelInfo, load_weights
 from tandem.engine.models import build_model
 from tandem.engine.models.llama import LayerHook, head_dim_of
 from tandem.engine.plan import SchedulerOutput
-from tandem.engine.tensor_parallel import shard_size
+from tandem.engine.tensor_parallel import rank_device, shard_size, tp_group
 from tandem.kernels import AttentionMetadata
 from tandem.kernels.ops import set_attention_backend, triton_backend_selected
 
@@ -58,7 +58,10 @@ class ModelRunner:
         when the cache is sized from memory (a draft model's block for every
         block of the target's: speculative decoding)."""
         self.config = config
-        self.device = torch.device(config.resolved_device())
+        # Each tensor-parallel rank on its own GPU (tensor_parallel.py).
+        group = tp_group()
+        self.device = (rank_device(config.resolved_device(), group.rank) if group.world_size > 1
+                       else torch.device(config.resolved_device()))
         # Before anything asks which kernels run (one setting per process: kernels/ops.py).
         set_attention_backend(config.attention_backend, self.device.type)
         self.dtype = resolve_dtype(config.model.dtype, self.device.type)

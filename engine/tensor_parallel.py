@@ -1,6 +1,7 @@
 """Tensor parallelism: one engine process per rank, torch.distributed
-between them (gloo, on CPUs; GPU engines refuse it until NCCL and a device
-per rank are added and run).
+between them: NCCL on GPUs (rank r on the r-th visible GPU), gloo on CPUs.
+The step plan, plain Python data, always travels over a gloo group of its
+own: pickled objects through NCCL would go host -> GPU -> host each step.
 
 Rank 0 is the engine: it schedules, samples and talks to the world. The
 other ranks are worker processes (engine/tp_workers.py) that hold their
@@ -30,38 +31,56 @@ class TPGroup:
 
 
 _group = TPGroup()
+_object_group: Any = None  # the gloo group broadcast_object uses (init_tp)
 
 
 def tp_group() -> TPGroup:
     return _group
 
 
-def init_tp(rank: int, world_size: int, init_method: str, backend: str = "gloo") -> None:
-    """Join the tensor-parallel group (blocks until every rank has joined)."""
-    global _group
+def rank_device(device_type: str, rank: int) -> torch.device:
+    """Where rank `rank` runs: its own visible GPU on CUDA (rank r on cuda:r),
+    the CPU otherwise."""
+    return torch.device("cuda", rank) if device_type == "cuda" else torch.device(device_type)
+
+
+def init_tp(rank: int, world_size: int, init_method: str, device_type: str = "cpu") -> None:
+    """Join the tensor-parallel group (blocks until every rank has joined).
+    On CUDA this process's current GPU becomes its rank's."""
+    global _group, _object_group
     if world_size > 1:
         import torch.distributed as dist
 
         if dist.is_initialized():
             raise RuntimeError("this process is in a tensor-parallel group already (one engine with "
                                "--tensor-parallel-size above 1 per process): shut the other down first")
+        cuda = device_type == "cuda"
+        if cuda:
+            torch.cuda.set_device(rank)
         # No deadline on collectives: a worker waits for rank 0's next plan
         # however long the engine idles. A rank that dies closes its sockets,
         # which fails the others' collectives at once (tp_workers.py also
         # checks the workers before each step).
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(days=365))
+        timeout = datetime.timedelta(days=365)
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank,
+                                world_size=world_size, timeout=timeout)
+        _object_group = dist.new_group(backend="gloo", timeout=timeout)
+        if cuda:
+            # NCCL builds its communicator at the first collective: here, not
+            # inside the first CUDA graph capture, where it cannot.
+            dist.all_reduce(torch.zeros(1, device=rank_device("cuda", rank)))
+            torch.cuda.synchronize()
     _group = TPGroup(rank, world_size)
 
 
 def destroy_tp() -> None:
-    global _group
+    global _group, _object_group
     if _group.world_size > 1:
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
-    _group = TPGroup()
+    _group, _object_group = TPGroup(), None
 
 
 def shard_size(total: int, what: str) -> int:
@@ -127,6 +146,6 @@ def broadcast_object(obj: Any = None) -> Any:
     import torch.distributed as dist
 
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=_object_group)
     return box[0]
 

@@ -58,9 +58,10 @@ class TPKVCacheView(KVCacheView):
         h = self.heads
         self.kv_cache[:, :, block_ids] = blocks[..., :h, :]
         # The other ranks' heads leave with the plan, after the caller has
-        # reused `blocks` (staging slots): copied now.
+        # reused `blocks` (staging slots): copied now, onto the cache's device
+        # (NCCL scatters device memory only).
         self._loaded_ids.append(block_ids)
-        self._loaded_others.append(blocks[..., h:, :].clone())
+        self._loaded_others.append(blocks[..., h:, :].to(self.kv_cache.device, copy=True))
 
     def take_loads(self) -> tuple[list[int], Optional[torch.Tensor]]:
         """The blocks written since the last take, and the other ranks' heads of

@@ -2,7 +2,8 @@
 the engine (rank 0), holding their shard of the weights and of the KV cache.
 
 A worker's life: join the group, load its shard (engine/loader.py's
-tp_shard), take rank 0's number of KV blocks, then run every plan rank 0
+tp_shard), take rank 0's number of KV blocks and context length (which
+decide its CUDA graphs on a GPU), then run every plan rank 0
 broadcasts (prepare, forward: the same collectives in the same order as
 rank 0) until the plan is None. It exits when rank 0 says so or when rank 0
 is gone (a watchdog polls its parent: collectives have no deadline, so a
@@ -47,7 +48,7 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: EngineCon
     import torch
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    init_tp(rank, world_size, init_method)
+    init_tp(rank, world_size, init_method, config.resolved_device())
     from tandem.engine.hub import HubSource
     from tandem.engine.loader import load_model_info
     from tandem.engine.model_runner import ModelRunner
@@ -58,6 +59,9 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: EngineCon
     runner = ModelRunner(config, info)
     runner.set_num_blocks(broadcast_object())
     runner.bind_kv_cache()
+    # Decode CUDA graphs hold the model's all-reduces: every rank captures the
+    # same batch sizes in the same order, and replays the same one each step.
+    runner.enable_cuda_graphs(broadcast_object())
     while True:
         plan = broadcast_object()
         if plan is None:
@@ -109,12 +113,16 @@ class TPWorkers:
             p.start()
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         log.info("tensor parallelism: %d ranks, workers %s", world, [p.pid for p in self.procs])
-        init_tp(0, world, init_method)
+        init_tp(0, world, init_method, config.resolved_device())
         self.kv_view: Optional[TPKVCacheView] = None  # set by cache_view when the engine has a KV connector
 
     def share_num_blocks(self, num_blocks: int) -> None:
         """Every rank sizes its KV cache as rank 0 did (their memory may differ)."""
         broadcast_object(num_blocks)
+
+    def share_max_model_len(self, max_model_len: int) -> None:
+        """Every rank captures the CUDA graphs rank 0 does (none on a CPU)."""
+        broadcast_object(max_model_len)
 
     def cache_view(self, kv_cache) -> TPKVCacheView:
         """The view of whole blocks a KV connector on rank 0 moves (engine/tp_kv.py)."""

@@ -90,10 +90,12 @@ def plan_stack(args: argparse.Namespace, log_dir: str) -> tuple[Child, list[Chil
     prefills = [child("prefill", i, engine_flags["prefill"]) for i in range(args.prefill)]
     decodes = [child("decode", i, engine_flags["decode"]) for i in range(args.decode)]
     gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
-    for i, engine in enumerate(prefills + decodes):
+    engines = prefills + decodes
+    sizes = [roles[e.role].tensor_parallel_size for e in engines]
+    for engine, visible in zip(engines, gpu_slices(gpus, sizes) if gpus else [None] * len(engines)):
         engine.env_unset = ENGINE_ENV_TWINS
-        if gpus:
-            engine.env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
+        if visible is not None:
+            engine.env["CUDA_VISIBLE_DEVICES"] = visible
     grpc_port = port(args.grpc_port) if args.grpc_port >= 0 else -1  # -1: off
     # The router learns the context length and block size from the engines.
     router_flags = ["--port", str(port(args.port)), "--grpc-port", str(grpc_port),
@@ -108,6 +110,20 @@ def plan_stack(args: argparse.Namespace, log_dir: str) -> tuple[Child, list[Chil
     if getattr(args, "served_model_name", None):
         router_flags += ["--served-model-name", *args.served_model_name]
     return kvstore, prefills, decodes, router_flags
+
+
+def gpu_slices(gpus: list[str], sizes: list[int]) -> list[str]:
+    """Each engine's CUDA_VISIBLE_DEVICES: the next `size` GPUs of the list
+    (its tensor-parallel ranks, one GPU each), going round the list again
+    when it runs out (engines then share GPUs)."""
+    slices, cursor = [], 0
+    for size in sizes:
+        if size > len(gpus):
+            raise ValueError(f"--gpus lists {len(gpus)} GPU(s) and an engine of --tensor-parallel-size "
+                             f"{size} needs {size}, one per rank: list more, or lower the size")
+        slices.append(",".join(gpus[(cursor + k) % len(gpus)] for k in range(size)))
+        cursor += size
+    return slices
 
 
 def engine_args(args: argparse.Namespace, kvstore_address: str) -> EngineArgs:

@@ -21,7 +21,8 @@ from tandem.engine.config import DEFAULT_MODEL, ConfigError, EngineArgs
 from tandem.services.common.config import add_flag, config_error
 from tandem.services.common.grpc_server import add_tls_arguments, why_unbindable
 from tandem.services.launcher.children import Child, start_child, stop_children, wait_listening
-from tandem.services.launcher.plan import LAUNCHER_DECIDES, UP_KV_TRANSFERS, plan_stack, role_engine_args
+from tandem.services.launcher.plan import (LAUNCHER_DECIDES, UP_KV_TRANSFERS, gpu_slices, plan_stack,
+                                           role_engine_args)
 from tandem.services.launcher.supervisor import (RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S, START_TRIES,
                                                  supervise)
 
@@ -147,10 +148,17 @@ def _check_before_start(args: argparse.Namespace) -> None:
             config_error(f"cannot listen on {args.host}:{port}: {problem}")
     try:
         # Each role's settings, as plan_stack hands them out (the store's address aside).
-        for role_args in role_engine_args(args, "127.0.0.1:0").values():
+        roles = role_engine_args(args, "127.0.0.1:0")
+        for role_args in roles.values():
             role_args.create_engine_config()
     except ConfigError as exc:
         config_error(str(exc))
+    gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
+    if gpus:
+        try:
+            gpu_slices(gpus, [roles[role].tensor_parallel_size for role in ("prefill", "decode")])
+        except ValueError as exc:
+            config_error(str(exc))
     try:
         # A Hub id is downloaded here, once, before the engines start and find it in the cache.
         resolve_source(args.model, args.load_format, HubSource(args.revision, args.download_dir))
@@ -185,8 +193,9 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--store", default="memory",
              help="KV store backend: memory, or a Redis URL such as redis://127.0.0.1:6379/0")
     add_flag(p, "--gpus", default="",
-             help="GPU ids handed to the engines round robin, prefills first, e.g. 0,1 "
-                  "(each engine sees one GPU); unset: every engine sees all GPUs")
+             help="GPU ids handed to the engines round robin, prefills first, e.g. 0,1,2,3 "
+                  "(each engine sees as many as its --tensor-parallel-size, one per rank); unset: "
+                  "every engine sees all GPUs")
     add_flag(p, "--routing", default="least_loaded", choices=list(POLICIES), help="router's policy")
     add_flag(p, "--prefill-threshold", type=int, default=32,
              help="prompts shorter than this skip the prefill tier")

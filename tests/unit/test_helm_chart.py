@@ -224,6 +224,16 @@ def test_gpu_on_gives_engines_gpus_and_leaves_router_and_kvstore_on_cpu(rendered
             assert "nvidia.com/gpu" not in limits and "nodeSelector" not in spec
 
 
+def test_a_tensor_parallel_engine_gets_a_gpu_per_rank():
+    manifests, _ = render({"gpu": {"enabled": True},
+                           "decode": {"engineArgs": {"tensor_parallel_size": 4}},
+                           "prefill": {"gpus": 8, "engineArgs": {"tensor_parallel_size": 2}}})
+    deployments = by_kind(manifests, "Deployment")
+    gpus = {role: container(deployments[f"demo-tandem-{role}"])["resources"]["limits"]["nvidia.com/gpu"]
+            for role in ("prefill", "decode")}
+    assert gpus == {"prefill": "8", "decode": "4"}  # `gpus` where it is more, else one per rank
+
+
 def test_redis_switches_the_store_backend(rendered):
     manifests, _ = rendered["redis"]
     deployments = by_kind(manifests, "Deployment")

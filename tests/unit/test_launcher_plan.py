@@ -110,3 +110,22 @@ def test_each_role_gets_its_own_tensor_parallel_size(tmp_path):
     assert {engine_args_of(c.argv).tensor_parallel_size for c in decodes} == {2}  # its own
     _, prefills, decodes, _ = plan("--prefill-tensor-parallel-size", "2", tmp_path=tmp_path)
     assert [engine_args_of(c.argv).tensor_parallel_size for c in prefills + decodes] == [2, 2, 1, 1]
+
+
+def test_gpus_go_to_engines_one_per_tensor_parallel_rank(tmp_path):
+    _, prefills, decodes, _ = plan("--gpus", "0,1", tmp_path=tmp_path)  # TP=1: one GPU each, round robin
+    assert [c.env["CUDA_VISIBLE_DEVICES"] for c in prefills + decodes] == ["0", "1", "0", "1"]
+    _, prefills, decodes, _ = plan("--gpus", "0,1,2,3,4,5", "--prefill-tensor-parallel-size", "2",
+                                   tmp_path=tmp_path)
+    assert [c.env["CUDA_VISIBLE_DEVICES"] for c in prefills + decodes] == ["0,1", "2,3", "4", "5"]
+    _, _, decodes, _ = plan("--gpus", "0,1,2", "--tensor-parallel-size", "2", tmp_path=tmp_path)
+    assert [c.env["CUDA_VISIBLE_DEVICES"] for c in decodes] == ["1,2", "0,1"]  # round the list again
+    _, prefills, _, _ = plan(tmp_path=tmp_path)
+    assert "CUDA_VISIBLE_DEVICES" not in prefills[0].env  # unset: every engine sees all GPUs
+
+
+def test_fewer_gpus_than_an_engines_ranks_is_refused(tmp_path):
+    import pytest
+
+    with pytest.raises(ValueError, match="--gpus lists 1 GPU.* --tensor-parallel-size 2 needs 2"):
+        plan("--gpus", "0", "--decode-tensor-parallel-size", "2", tmp_path=tmp_path)

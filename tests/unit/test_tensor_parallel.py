@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from tandem.engine import LLM, SamplingParams
 from tandem.engine.config import ConfigError, EngineArgs
@@ -78,13 +79,17 @@ def test_tp3_smollm2_matches_hf():
 
 def test_tensor_parallel_refuses_what_it_is_not_built_for(tmp_path):
     for kwargs, flag in [({"kv_transfer": "direct"}, "--kv-transfer"),
-                         ({"swap_space": 1.0}, "--swap-space"),
-                         ({"device": "cuda"}, "GPUs")]:
+                         ({"swap_space": 1.0}, "--swap-space")]:
         with pytest.raises(ConfigError, match=flag):
             EngineArgs(tensor_parallel_size=2, **kwargs).create_engine_config()
     path, _ = tiny_model_dir(tmp_path, "llama")  # 4 heads, 2 KV heads
     with pytest.raises(ConfigError, match="does not divide the model's 4 attention heads"):
         LLM(path, tensor_parallel_size=3)
+    # One rank per GPU: fewer visible GPUs than ranks (none here) is refused before any rank starts.
+    visible = torch.cuda.device_count()
+    if visible < 2:
+        with pytest.raises(ConfigError, match=rf"runs one rank per GPU and this process sees {visible} GPU"):
+            LLM(path, tensor_parallel_size=2, device="cuda")
 
 
 @pytest.mark.timeout(120)

@@ -217,12 +217,14 @@ a container's own /dev/shm is 64 MiB. It counts against the memory limit. */}}
 {{- end }}
 {{- end }}
 
-{{/* Resources of a role, with its GPUs when gpu.enabled. */}}
+{{/* Resources of a role, with its GPUs when gpu.enabled: `gpus`, or one per
+tensor-parallel rank (engineArgs.tensor_parallel_size) where that is more. */}}
 {{- define "tandem.resources" -}}
 {{- $r := deepCopy (default dict .cfg.resources) }}
 {{- if and .root.Values.gpu.enabled (gt (int .cfg.gpus) 0) }}
 {{- $limits := deepCopy (default dict $r.limits) }}
-{{- $_ := set $limits .root.Values.gpu.resourceName (toString (int .cfg.gpus)) }}
+{{- $ranks := int (default 1 (dig "engineArgs" "tensor_parallel_size" 1 .cfg)) }}
+{{- $_ := set $limits .root.Values.gpu.resourceName (toString (max (int .cfg.gpus) $ranks)) }}
 {{- $_ := set $r "limits" $limits }}
 {{- end }}
 {{- toYaml $r }}
