@@ -29,7 +29,8 @@ def prompts(seed: int = 3) -> list[list[int]]:
 def test_tp2_on_two_gpus_matches_hf(tmp_path, eager):
     from tandem.engine import LLM, SamplingParams
 
-    path, hf = tiny_model_dir(tmp_path, "llama", num_attention_heads=8, num_key_value_heads=4)
+    # head_dim 16: the smallest the Triton kernels take
+    path, hf = tiny_model_dir(tmp_path, "llama", num_attention_heads=8, num_key_value_heads=4, hidden_size=128)
     hf = hf.cuda()
     ps = prompts()
     prefix_prompt = ps[6][:40] + [9, 10, 11]  # 32 tokens of prompt 6 cached by then
