@@ -172,13 +172,14 @@ class LLMEngine:
         # came from prefill), handed out by the next step().
         self._ready: list[RequestOutput] = []
         # Asynchronous scheduling: the step whose sampled tokens are still on
-        # their way to the host (taken by the next step()). Tensor-parallel
-        # workers and speculative decoding need each step's tokens on the host.
+        # their way to the host (taken by the next step()). Speculative
+        # decoding needs each step's tokens on the host; tensor-parallel
+        # workers get them from rank 0's device (TPWorkers.run).
         self._inflight: Optional[_InFlight] = None
         self._unseen_freed: list[str] = []  # freed ids of plans that did not run (step)
         self.async_scheduling = (config.async_scheduling == "on" or (
             config.async_scheduling == "auto" and self.runner.device.type == "cuda")) and \
-            self.tp_workers is None and self.speculator is None
+            self.speculator is None
 
     def _eos_token_id(self) -> Optional[int]:
         eos = getattr(self.info.hf_config, "eos_token_id", None)
@@ -377,9 +378,10 @@ class LLMEngine:
                 if self.tp_workers is not None:  # the other ranks' heads of the saved blocks first
                     after_layer = self.tp_workers.gathering(after_layer, meta.saved_block_ids())
         t1_loaded = clock()  # the host tier's copies and the connector's loads count in no phase
+        pending_tokens = inflight.pending.tokens if inflight is not None else None
         if self.tp_workers is not None:
-            self.tp_workers.run(plan)
-        batch = runner.prepare(plan, inflight.pending.tokens if inflight is not None else None)
+            self.tp_workers.run(plan, pending_tokens)
+        batch = runner.prepare(plan, pending_tokens)
         t2 = clock()
         logits = runner.forward(batch, plan, before_layer, after_layer)
         if after_layer is not None:

@@ -139,6 +139,16 @@ def scatter_from_first(out: torch.Tensor, parts: Optional[list[torch.Tensor]] = 
     dist.scatter(out, scatter_list=[p.contiguous() for p in parts] if parts is not None else None, src=0)
 
 
+def broadcast_tensor(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's x into every rank's x (same shape and dtype on all), queued
+    on the device's stream with NCCL: no rank waits on its host for it."""
+    if _group.world_size > 1:
+        import torch.distributed as dist
+
+        dist.broadcast(x, src=0)
+    return x
+
+
 def broadcast_object(obj: Any = None) -> Any:
     """Rank 0's obj on every rank (pickled: the step plan is plain data)."""
     if _group.world_size == 1:

@@ -22,7 +22,7 @@ import time
 from typing import Callable, Optional
 
 from tandem.engine.config import ConfigError, EngineConfig
-from tandem.engine.tensor_parallel import broadcast_object, destroy_tp, init_tp
+from tandem.engine.tensor_parallel import broadcast_object, broadcast_tensor, destroy_tp, init_tp
 from tandem.engine.tp_kv import TPKVCacheView, TPKVJob, receive_loads, send_layer
 
 log = logging.getLogger(__name__)
@@ -63,9 +63,15 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: EngineCon
     # same batch sizes in the same order, and replays the same one each step.
     runner.enable_cuda_graphs(broadcast_object())
     while True:
-        plan = broadcast_object()
-        if plan is None:
+        message = broadcast_object()
+        if message is None:
             break
+        plan, pending = message
+        pending_tokens = None
+        if pending is not None:  # the step before's sampled tokens, still on rank 0's device
+            shape, dtype = pending
+            pending_tokens = broadcast_tensor(torch.empty(shape, dtype=getattr(torch, dtype),
+                                                          device=runner.device))
         job: Optional[TPKVJob] = plan.connector_meta
         after_layer = None
         if job is not None:  # this rank's part of the step's KV transfer (engine/tp_kv.py)
@@ -74,7 +80,7 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: EngineCon
             if job.save_block_ids:
                 ids = torch.tensor(job.save_block_ids, device=runner.device)
                 after_layer = functools.partial(send_layer, runner.kv_cache, block_ids=ids)
-        runner.forward(runner.prepare(plan), plan, None, after_layer)
+        runner.forward(runner.prepare(plan, pending_tokens), plan, None, after_layer)
     destroy_tp()
 
 
@@ -129,11 +135,13 @@ class TPWorkers:
         self.kv_view = TPKVCacheView(kv_cache)
         return self.kv_view
 
-    def run(self, plan) -> None:
-        """Hand the step's plan to the workers, and their heads of the blocks
-        the connector loaded (after start_load); rank 0 then runs it too. A
-        worker that is gone fails the step (and so the engine, loudly)
-        rather than leaving rank 0 waiting in a collective."""
+    def run(self, plan, pending_tokens=None) -> None:
+        """Hand the step's plan to the workers, the step before's sampled
+        tokens where the plan reads them on the device (asynchronous
+        scheduling: they never reach rank 0's host first), and the workers'
+        heads of the blocks the connector loaded (after start_load); rank 0
+        then runs it too. A worker that is gone fails the step (and so the
+        engine, loudly) rather than leaving rank 0 waiting in a collective."""
         dead = [p.name for p in self.procs if not p.is_alive()]
         if dead:
             raise RuntimeError(f"tensor-parallel worker(s) {', '.join(dead)} exited; the engine cannot step")
@@ -141,7 +149,12 @@ class TPWorkers:
         if meta is not None:  # the connector's meta holds rank 0's state: the workers get block ids
             load_ids, loaded = self.kv_view.take_loads()
             job = TPKVJob(load_ids, meta.saved_block_ids())
-        broadcast_object(dataclasses.replace(plan, connector_meta=job))
+        pending = None
+        if plan.pending_entries:
+            pending = (tuple(pending_tokens.shape), str(pending_tokens.dtype).removeprefix("torch."))
+        broadcast_object((dataclasses.replace(plan, connector_meta=job), pending))
+        if pending is not None:
+            broadcast_tensor(pending_tokens.contiguous())
         if loaded is not None:
             self.kv_view.send_loads(loaded)
 

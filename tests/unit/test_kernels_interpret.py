@@ -40,7 +40,7 @@ def run_check_module(module: str, timeout_s: int) -> str:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0])  # each seed costs CI 16 s under the interpreter
 def test_triton_kernels_match_torch_twins_under_interpreter(seed: int) -> None:
     # Every GQA ratio (1, 3, 4) x head dim (64, 128) x block size (16, 32), dtypes
     # fp32/bf16/fp16 in turn, decode-only batches (split-KV with the reduce in

@@ -19,11 +19,13 @@ LENGTHS = [1, 5, 17, 33, 64, 150, 7, 90]
 MAX_NEW = 12
 
 
-# Each case starts rank processes (seconds each): Llama without chunks, Qwen3 in chunks.
-CASES = {"llama": {}, "qwen3": {"max_num_batched_tokens": 40, "long_prefill_token_threshold": 24}}
+# Each case starts rank processes (seconds each): Llama without chunks, Qwen3 in chunks
+# with asynchronous scheduling (the workers read rank 0's sampled tokens from a broadcast).
+CASES = {"llama": {"async_scheduling": "off"},
+         "qwen3": {"max_num_batched_tokens": 40, "long_prefill_token_threshold": 24, "async_scheduling": "on"}}
 
 
-@pytest.fixture(scope="module", params=list(CASES), ids=["llama-plain", "qwen3-chunked"])
+@pytest.fixture(scope="module", params=list(CASES), ids=["llama-plain", "qwen3-chunked-async"])
 def tiny8(request, tmp_path_factory):
     path, hf = tiny_model_dir(tmp_path_factory.mktemp("tp"), request.param, num_attention_heads=8,
                               num_key_value_heads=4)
@@ -48,6 +50,7 @@ def test_tp2_tiny_models_match_hf(tiny8):
         layer = runner.model.model.layers[0]
         assert layer.self_attn.num_heads == 4 and layer.self_attn.num_kv_heads == 2  # half of 8 and 4
         assert runner.layout.num_kv_heads == 2
+        assert llm.engine.async_scheduling == (tiny8["options"]["async_scheduling"] == "on")
         check_against_oracle(run_greedy(llm, tiny8["prompts"], MAX_NEW), tiny8["refs"], exact=False)
         # the last prompt's first 32 tokens are cached now: this one starts from a prefix hit
         outs = run_greedy(llm, [tiny8["prefix_prompt"]], MAX_NEW)
