@@ -41,13 +41,15 @@ def _exit_with_parent(parent: int) -> None:
         time.sleep(0.5)
 
 
-def _worker_main(rank: int, world_size: int, init_method: str, config: EngineConfig, parent: int) -> None:
+def _worker_main(rank: int, world_size: int, init_method: str, config: EngineConfig, parent: int,
+                 started) -> None:
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     # Each rank is one of N processes on the host's cores: torch's default
     # thread count (all cores) in each would oversubscribe them N times.
     import torch
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    started.set()  # rank 0 may join the group now: this process got this far
     init_tp(rank, world_size, init_method, config.resolved_device())
     from tandem.engine.hub import HubSource
     from tandem.engine.loader import load_model_info
@@ -112,15 +114,40 @@ class TPWorkers:
         world = config.tensor_parallel_size
         init_method = f"tcp://127.0.0.1:{free_port()}"
         ctx = multiprocessing.get_context("spawn")  # a fork would copy this process's threads' locks
+        started = [ctx.Event() for _ in range(1, world)]
         self.procs = [ctx.Process(target=_worker_main, name=f"tandem-tp-rank{rank}", daemon=True,
-                                  args=(rank, world, init_method, config, os.getpid()))
+                                  args=(rank, world, init_method, config, os.getpid(), started[rank - 1]))
                       for rank in range(1, world)]
         for p in self.procs:
             p.start()
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         log.info("tensor parallelism: %d ranks, workers %s", world, [p.pid for p in self.procs])
+        try:
+            self._wait_for_start(started)
+        except RuntimeError:
+            self._kill()
+            raise
         init_tp(0, world, init_method, config.resolved_device())
         self.kv_view: Optional[TPKVCacheView] = None  # set by cache_view when the engine has a KV connector
+
+    def _wait_for_start(self, started: list) -> None:
+        """Until every worker is about to join the group. Joining blocks
+        until all ranks have joined, with no deadline: a worker that died
+        before it would leave rank 0 waiting for ever."""
+        while not all(event.wait(0.1) for event in started):
+            for p in self.procs:
+                if not p.is_alive():
+                    raise RuntimeError(
+                        f"tensor-parallel worker {p.name} exited with code {p.exitcode} before joining its "
+                        f"group (its error is above). The workers are spawned processes that import the "
+                        f"main script: a script that makes an LLM with tensor_parallel_size above 1 must "
+                        f"do so under `if __name__ == '__main__':`")
+
+    def _kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+            p.join(10)
 
     def share_num_blocks(self, num_blocks: int) -> None:
         """Every rank sizes its KV cache as rank 0 did (their memory may differ)."""

@@ -107,3 +107,20 @@ def test_a_dead_rank_fails_the_step_instead_of_hanging(tmp_path):
             llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
     finally:
         llm.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_dies_before_joining_fails_the_engine_instead_of_hanging(tmp_path):
+    """The commonest way: a script without the `if __name__ == '__main__':`
+    guard, whose spawned worker imports it and dies. Rank 0 used to wait
+    for it to join the group for ever."""
+    import subprocess
+    import sys
+
+    path, _ = tiny_model_dir(tmp_path, "llama")
+    script = tmp_path / "no_main_guard.py"
+    script.write_text(f"from tandem.engine import LLM\nLLM({path!r}, tensor_parallel_size=2)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
+    assert proc.returncode != 0
+    assert "tensor-parallel worker tandem-tp-rank1 exited with code 1 before joining" in proc.stderr
+    assert "if __name__ == '__main__':" in proc.stderr
