@@ -1,13 +1,13 @@
 """Tensor parallelism: one engine process per rank, torch.distributed
-between them: NCCL on GPUs (rank r on the r-th visible GPU), gloo on CPUs.
-The step plan, plain Python data, always travels over a gloo group of its
-own: pickled objects through NCCL would go host -> GPU -> host each step.
+between them for tensors: NCCL on GPUs (rank r on the r-th visible GPU),
+gloo on CPUs. The step plan, plain Python data, goes through pipes instead
+(engine/tp_channel.py).
 
 Rank 0 is the engine: it schedules, samples and talks to the world. The
 other ranks are worker processes (engine/tp_workers.py) that hold their
 shard of every layer and of the KV cache and run each step's plan, which
-rank 0 broadcasts as plain data (one broadcast a step). Inside the model
-(models/llama.py) attention heads, KV heads, MLP channels and the
+rank 0 sends as plain data (one message a step, engine/tp_channel.py).
+Inside the model (models/llama.py) attention heads, KV heads, MLP channels and the
 vocabulary are split across ranks: q/k/v and gate/up are column-parallel,
 o and down row-parallel with one all-reduce after each, the embedding and
 the LM head vocabulary-parallel.
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -31,7 +31,6 @@ class TPGroup:
 
 
 _group = TPGroup()
-_object_group: Any = None  # the gloo group broadcast_object uses (init_tp)
 
 
 def tp_group() -> TPGroup:
@@ -47,7 +46,7 @@ def rank_device(device_type: str, rank: int) -> torch.device:
 def init_tp(rank: int, world_size: int, init_method: str, device_type: str = "cpu") -> None:
     """Join the tensor-parallel group (blocks until every rank has joined).
     On CUDA this process's current GPU becomes its rank's."""
-    global _group, _object_group
+    global _group
     if world_size > 1:
         import torch.distributed as dist
 
@@ -57,14 +56,14 @@ def init_tp(rank: int, world_size: int, init_method: str, device_type: str = "cp
         cuda = device_type == "cuda"
         if cuda:
             torch.cuda.set_device(rank)
-        # No deadline on collectives: a worker waits for rank 0's next plan
-        # however long the engine idles. A rank that dies closes its sockets,
-        # which fails the others' collectives at once (tp_workers.py also
-        # checks the workers before each step).
+        # No deadline on collectives: one rank may reach a step's first
+        # collective long after another (Triton compiling a kernel, a CUDA
+        # graph capture). A gloo rank that dies closes its sockets, which
+        # fails the others' collectives at once; tp_workers.py also checks
+        # the workers before each step.
         timeout = datetime.timedelta(days=365)
         dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank,
                                 world_size=world_size, timeout=timeout)
-        _object_group = dist.new_group(backend="gloo", timeout=timeout)
         if cuda:
             # NCCL builds its communicator at the first collective: here, not
             # inside the first CUDA graph capture, where it cannot.
@@ -74,13 +73,13 @@ def init_tp(rank: int, world_size: int, init_method: str, device_type: str = "cp
 
 
 def destroy_tp() -> None:
-    global _group, _object_group
+    global _group
     if _group.world_size > 1:
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
-    _group, _object_group = TPGroup(), None
+    _group = TPGroup()
 
 
 def shard_size(total: int, what: str) -> int:
@@ -147,15 +146,3 @@ def broadcast_tensor(x: torch.Tensor) -> torch.Tensor:
 
         dist.broadcast(x, src=0)
     return x
-
-
-def broadcast_object(obj: Any = None) -> Any:
-    """Rank 0's obj on every rank (pickled: the step plan is plain data)."""
-    if _group.world_size == 1:
-        return obj
-    import torch.distributed as dist
-
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=_object_group)
-    return box[0]
-

@@ -1,5 +1,7 @@
 """The tensor-parallel ranks besides rank 0: one process each, started by
 the engine (rank 0), holding their shard of the weights and of the KV cache.
+Rank 0's plans reach them through pipes (engine/tp_channel.py), tensors
+through torch.distributed.
 
 A worker's life: join the group, load its shard (engine/loader.py's
 tp_shard), take rank 0's number of KV blocks and context length (which
@@ -19,10 +21,12 @@ import os
 import socket
 import threading
 import time
+from multiprocessing.connection import Connection
 from typing import Callable, Optional
 
 from tandem.engine.config import ConfigError, EngineConfig
-from tandem.engine.tensor_parallel import broadcast_object, broadcast_tensor, destroy_tp, init_tp
+from tandem.engine.tensor_parallel import broadcast_tensor, destroy_tp, init_tp
+from tandem.engine.tp_channel import PlanSender, WorkerGone, receive
 from tandem.engine.tp_kv import TPKVCacheView, TPKVJob, receive_loads, send_layer
 
 log = logging.getLogger(__name__)
@@ -42,7 +46,7 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _worker_main(rank: int, world_size: int, init_method: str, config: EngineConfig, parent: int,
-                 started) -> None:
+                 started, plans: Connection) -> None:
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     # Each rank is one of N processes on the host's cores: torch's default
     # thread count (all cores) in each would oversubscribe them N times.
@@ -59,13 +63,16 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: EngineCon
     info = load_model_info(mc.model, mc.load_format, mc.hf_config, mc.tokenizer, mc.max_model_len,
                            HubSource(mc.revision, mc.download_dir))
     runner = ModelRunner(config, info)
-    runner.set_num_blocks(broadcast_object())
+    runner.set_num_blocks(receive(plans))
     runner.bind_kv_cache()
     # Decode CUDA graphs hold the model's all-reduces: every rank captures the
     # same batch sizes in the same order, and replays the same one each step.
-    runner.enable_cuda_graphs(broadcast_object())
+    runner.enable_cuda_graphs(receive(plans))
     while True:
-        message = broadcast_object()
+        try:
+            message = receive(plans)
+        except EOFError:  # rank 0 is gone without a word
+            break
         if message is None:
             break
         plan, pending = message
@@ -115,11 +122,16 @@ class TPWorkers:
         init_method = f"tcp://127.0.0.1:{free_port()}"
         ctx = multiprocessing.get_context("spawn")  # a fork would copy this process's threads' locks
         started = [ctx.Event() for _ in range(1, world)]
+        pipes = [ctx.Pipe(duplex=False) for _ in range(1, world)]  # (worker's reader, rank 0's writer)
         self.procs = [ctx.Process(target=_worker_main, name=f"tandem-tp-rank{rank}", daemon=True,
-                                  args=(rank, world, init_method, config, os.getpid(), started[rank - 1]))
+                                  args=(rank, world, init_method, config, os.getpid(), started[rank - 1],
+                                        pipes[rank - 1][0]))
                       for rank in range(1, world)]
         for p in self.procs:
             p.start()
+        for reader, _ in pipes:
+            reader.close()  # the worker's now: a write to a worker that exited then fails at once
+        self.plans = PlanSender([writer for _, writer in pipes], [p.name for p in self.procs])
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         log.info("tensor parallelism: %d ranks, workers %s", world, [p.pid for p in self.procs])
         try:
@@ -151,11 +163,11 @@ class TPWorkers:
 
     def share_num_blocks(self, num_blocks: int) -> None:
         """Every rank sizes its KV cache as rank 0 did (their memory may differ)."""
-        broadcast_object(num_blocks)
+        self.plans.send(num_blocks)
 
     def share_max_model_len(self, max_model_len: int) -> None:
         """Every rank captures the CUDA graphs rank 0 does (none on a CPU)."""
-        broadcast_object(max_model_len)
+        self.plans.send(max_model_len)
 
     def cache_view(self, kv_cache) -> TPKVCacheView:
         """The view of whole blocks a KV connector on rank 0 moves (engine/tp_kv.py)."""
@@ -179,7 +191,7 @@ class TPWorkers:
         pending = None
         if plan.pending_entries:
             pending = (tuple(pending_tokens.shape), str(pending_tokens.dtype).removeprefix("torch."))
-        broadcast_object((dataclasses.replace(plan, connector_meta=job), pending))
+        self.plans.send((dataclasses.replace(plan, connector_meta=job), pending))
         if pending is not None:
             broadcast_tensor(pending_tokens.contiguous())
         if loaded is not None:
@@ -200,10 +212,11 @@ class TPWorkers:
     def stop(self, timeout_s: float = 10.0) -> None:
         try:
             if all(p.is_alive() for p in self.procs):
-                broadcast_object(None)
-        except RuntimeError as exc:  # a rank went away meanwhile: the others are killed below
+                self.plans.send(None)
+        except WorkerGone as exc:  # a rank went away meanwhile: the others are killed below
             log.warning("tensor-parallel workers did not take the stop: %s", exc)
         finally:
+            self.plans.close()
             destroy_tp()
             for p in self.procs:
                 p.join(timeout_s)
