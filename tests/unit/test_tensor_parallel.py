@@ -124,3 +124,17 @@ def test_a_worker_that_dies_before_joining_fails_the_engine_instead_of_hanging(t
     assert proc.returncode != 0
     assert "tensor-parallel worker tandem-tp-rank1 exited with code 1 before joining" in proc.stderr
     assert "if __name__ == '__main__':" in proc.stderr
+
+
+def test_plans_reach_a_worker_through_its_pipe_and_one_that_is_gone_fails_by_name():
+    import multiprocessing
+
+    from tandem.engine.tp_channel import PlanSender, WorkerGone, receive
+
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    sender = PlanSender([writer], ["tandem-tp-rank1"])
+    sender.send(({"ids": [1, 2]}, None))
+    assert receive(reader) == ({"ids": [1, 2]}, None)
+    reader.close()  # the worker exited
+    with pytest.raises(WorkerGone, match="tandem-tp-rank1 exited"):
+        sender.send(None)
