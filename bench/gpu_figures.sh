@@ -33,7 +33,12 @@ for what in "${@:-tests latency throughput}"; do
       python -m tandem.bench.latency --preset llama-3-8b --batch-sizes 1,8 --context 512 --steps 20 \
         --enforce-eager --output-json "$OUT/latency_llama3_8b_eager.json" ;;
     tp)  # needs two GPUs: the TP=2 tests, then Llama-3-8B decode steps at TP=2 and TP=1
-      timeout 240 python -m pytest -q -rxXs tests/gpu/test_tensor_parallel_gpu.py -p no:cacheprovider 2>&1 | tail -15
+      # One pytest process a test, verbose, with Python's stacks dumped if one hangs: the
+      # first run of these printed nothing in 200 s (docs/benchmarks.md).
+      for t in eager cuda-graphs agrees_with_tp1; do
+        timeout 200 python -m pytest -v -rxXs -o faulthandler_timeout=150 -p no:cacheprovider \
+          tests/gpu/test_tensor_parallel_gpu.py -k "$t" 2>&1 | grep -v "Writing model" | tail -40
+      done
       for tp in 2 1; do
         timeout 150 python -m tandem.bench.latency --preset llama-3-8b --batch-sizes 1,64 --context 512 \
           --steps 20 --tensor-parallel-size $tp --output-json "$OUT/latency_llama3_8b_tp$tp.json"
