@@ -160,8 +160,7 @@ class EngineConfig:
             # Their handles point into one process's cache; a rank holds a slice of the heads.
             raise ConfigError(f"--tensor-parallel-size above 1 does not work with --kv-transfer "
                               f"{self.kv_transfer} yet: use --kv-transfer store")
-        others = [("--speculative-config", self.speculative is not None),
-                  ("--swap-space", self.cache.swap_space_gib > 0)]
+        others = [("--speculative-config", self.speculative is not None)]
         for flag, given in others:
             if given:
                 raise ConfigError(f"--tensor-parallel-size above 1 does not work with {flag} yet: drop "
@@ -262,7 +261,8 @@ class EngineArgs:
         "preempted for lack of KV blocks is swapped out there and swapped back in instead of "
         "recomputed, and prefix-cache blocks the device evicts stay findable there by hash; 0: no "
         "tier, preemption recomputes. With --kv-transfer the tiers go device, host, then the "
-        "connector's (the store, a prefill)", group=_CACHE, metavar="GIB")
+        "connector's (the store, a prefill). Per rank under tensor parallelism (each keeps its "
+        "own heads)", group=_CACHE, metavar="GIB")
 
     # --- scheduler
     max_num_batched_tokens: Optional[int] = flag_field(
@@ -296,8 +296,8 @@ class EngineArgs:
         "starts the others; on GPUs one rank per visible GPU, NCCL between them, gloo on CPUs). "
         "Above 1: models whose head, KV head and MLP channel counts it divides (a mixture of "
         "experts' every expert splits its channels); with --kv-transfer store (an engine of any "
-        "size loads the blocks one of any other saved), not with --kv-transfer direct or nixl, "
-        "--speculative-config or --swap-space yet", group=_RUNTIME, metavar="N")
+        "size loads the blocks one of any other saved), not with --kv-transfer direct or nixl or "
+        "--speculative-config yet", group=_RUNTIME, metavar="N")
     async_scheduling: AsyncScheduling = flag_field(
         "auto", "schedule and queue the next step while this step's sampled tokens are on their "
         "way from the device, so the host's work (scheduling, preparing inputs, stop rules, text) "

@@ -354,6 +354,8 @@ class LLMEngine:
             self.speculator.forget(plan.freed_request_ids)  # preempted ones (the rest went already)
         t1 = clock()
         runner.swap(plan)  # even for an empty plan: a lone request may have been swapped out
+        if plan.is_empty and (plan.swap_out or plan.swap_in) and self.tp_workers is not None:
+            self.tp_workers.swap_only(plan)
         # e.g. every request waits on its KV fetch
         self.last_step_empty = plan.is_empty and not ready and inflight is None
         if plan.is_empty:

@@ -76,6 +76,9 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: EngineCon
         if message is None:
             break
         plan, pending = message
+        runner.swap(plan)  # the host tier's copies of this rank's heads, as rank 0 makes its own
+        if plan.is_empty:  # a plan that only swapped: nothing to run
+            continue
         pending_tokens = None
         if pending is not None:  # the step before's sampled tokens, still on rank 0's device
             shape, dtype = pending
@@ -173,6 +176,11 @@ class TPWorkers:
         """The view of whole blocks a KV connector on rank 0 moves (engine/tp_kv.py)."""
         self.kv_view = TPKVCacheView(kv_cache)
         return self.kv_view
+
+    def swap_only(self, plan) -> None:
+        """A plan that runs nothing but moves blocks to or from the host tier
+        (a lone request swapped out): the workers copy their heads too."""
+        self.plans.send((dataclasses.replace(plan, connector_meta=None), None))
 
     def run(self, plan, pending_tokens=None) -> None:
         """Hand the step's plan to the workers, the step before's sampled

@@ -82,7 +82,8 @@ def test_tp3_smollm2_matches_hf():
 
 def test_tensor_parallel_refuses_what_it_is_not_built_for(tmp_path):
     for kwargs, flag in [({"kv_transfer": "direct"}, "--kv-transfer"),
-                         ({"swap_space": 1.0}, "--swap-space")]:
+                         ({"speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}'},
+                          "--speculative-config")]:
         with pytest.raises(ConfigError, match=flag):
             EngineArgs(tensor_parallel_size=2, **kwargs).create_engine_config()
     path, _ = tiny_model_dir(tmp_path, "llama")  # 4 heads, 2 KV heads
@@ -138,3 +139,26 @@ def test_plans_reach_a_worker_through_its_pipe_and_one_that_is_gone_fails_by_nam
     reader.close()  # the worker exited
     with pytest.raises(WorkerGone, match="tandem-tp-rank1 exited"):
         sender.send(None)
+
+
+@pytest.mark.timeout(300)
+def test_tp2_preemption_swaps_each_ranks_heads_to_the_host_tier_and_matches_hf(tmp_path):
+    """Too few blocks for the batch: preempted requests' blocks go to the host
+    tier (each rank copies its own heads) and come back; nothing is
+    computed twice, and the tokens are HF's."""
+    path, hf = tiny_model_dir(tmp_path, "llama", num_attention_heads=8, num_key_value_heads=4)
+    rng = random.Random(11)
+    # Two blocks each at first (12 of 13), three each once they decode past 32 tokens.
+    prompts = [[rng.randrange(2, 512) for _ in range(n)] for n in (28, 31, 30, 29, 27, 32)]
+    refs = [hf_greedy(hf, p, MAX_NEW, eos_token_id=None) for p in prompts]
+    # A rank's block: 2 layers x K/V x 16 tokens x 2 KV heads x head_dim 8 x 4 bytes.
+    block_bytes = 2 * 2 * 16 * 2 * 8 * 4
+    llm = LLM(path, tensor_parallel_size=2, num_blocks=14, swap_space=100 * block_bytes / 2**30)
+    try:
+        assert llm.engine.runner.num_host_slots == 100
+        check_against_oracle(run_greedy(llm, prompts, MAX_NEW), refs, exact=False)
+        stats = llm.engine.stats()
+        assert stats.num_preemptions > 0, "the test must force preemption"
+        assert stats.kv_swapped_out_blocks > 0 and stats.kv_swapped_in_blocks > 0
+    finally:
+        llm.shutdown()
