@@ -82,8 +82,8 @@ def test_tp3_smollm2_matches_hf():
 
 def test_tensor_parallel_refuses_what_it_is_not_built_for(tmp_path):
     for kwargs, flag in [({"kv_transfer": "direct"}, "--kv-transfer"),
-                         ({"speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}'},
-                          "--speculative-config")]:
+                         ({"speculative_config": '{"model": "smollm2", "num_speculative_tokens": 2}'},
+                          "a draft model in --speculative-config")]:
         with pytest.raises(ConfigError, match=flag):
             EngineArgs(tensor_parallel_size=2, **kwargs).create_engine_config()
     path, _ = tiny_model_dir(tmp_path, "llama")  # 4 heads, 2 KV heads
@@ -160,5 +160,30 @@ def test_tp2_preemption_swaps_each_ranks_heads_to_the_host_tier_and_matches_hf(t
         stats = llm.engine.stats()
         assert stats.num_preemptions > 0, "the test must force preemption"
         assert stats.kv_swapped_out_blocks > 0 and stats.kv_swapped_in_blocks > 0
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_tp2_with_ngram_speculation_matches_hf(tmp_path):
+    """Drafts ride in the plan, every rank verifies them in one forward and
+    rank 0 rejects them (a random model copies nothing: this is the
+    rejection path; acceptance under TP is not exercised here): the tokens
+    stay HF's greedy ones."""
+    path, hf = tiny_model_dir(tmp_path, "llama", num_attention_heads=8, num_key_value_heads=4)
+    rng = random.Random(5)
+    prompts = []
+    for n in (6, 9, 13):
+        piece = [rng.randrange(2, 512) for _ in range(n)]
+        prompts.append(piece * 4)  # repeats: the n-gram lookup finds something to propose
+    max_new = 24
+    refs = [hf_greedy(hf, p, max_new, eos_token_id=None) for p in prompts]
+    llm = LLM(path, tensor_parallel_size=2,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                  "prompt_lookup_max": 3})
+    try:
+        check_against_oracle(run_greedy(llm, prompts, max_new), refs, exact=False)
+        stats = llm.engine.stats()
+        assert stats.spec_decode_num_draft_tokens > 0, stats
     finally:
         llm.shutdown()
