@@ -160,11 +160,6 @@ class EngineConfig:
             # Their handles point into one process's cache; a rank holds a slice of the heads.
             raise ConfigError(f"--tensor-parallel-size above 1 does not work with --kv-transfer "
                               f"{self.kv_transfer} yet: use --kv-transfer store")
-        if self.speculative is not None and self.speculative.method != "ngram":
-            # The draft model would be split across the ranks like the target,
-            # and only rank 0 runs it.
-            raise ConfigError("--tensor-parallel-size above 1 does not work with a draft model in "
-                              "--speculative-config yet: use the n-gram method, or drop one of the two")
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -296,8 +291,8 @@ class EngineArgs:
         "starts the others; on GPUs one rank per visible GPU, NCCL between them, gloo on CPUs). "
         "Above 1: models whose head, KV head and MLP channel counts it divides (a mixture of "
         "experts' every expert splits its channels); with --kv-transfer store (an engine of any "
-        "size loads the blocks one of any other saved), not with --kv-transfer direct or nixl or "
-        "a draft model (n-gram speculation works) yet", group=_RUNTIME, metavar="N")
+        "size loads the blocks one of any other saved), not with --kv-transfer direct or nixl "
+        "yet; a speculative draft model stays whole on rank 0", group=_RUNTIME, metavar="N")
     async_scheduling: AsyncScheduling = flag_field(
         "auto", "schedule and queue the next step while this step's sampled tokens are on their "
         "way from the device, so the host's work (scheduling, preparing inputs, stop rules, text) "

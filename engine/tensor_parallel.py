@@ -17,9 +17,10 @@ The group is one setting per process, like the kernel backend
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -80,6 +81,18 @@ def destroy_tp() -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
     _group = TPGroup()
+
+
+@contextlib.contextmanager
+def unsplit() -> Iterator[None]:
+    """Model code built or run inside sees no group: whole layers, no
+    collectives. For a model only rank 0 runs (a speculative draft model)."""
+    global _group
+    saved, _group = _group, TPGroup()
+    try:
+        yield
+    finally:
+        _group = saved
 
 
 def shard_size(total: int, what: str) -> int:

@@ -24,6 +24,7 @@ from tandem.engine.loader import ModelInfo
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.spec_decode.config import SpeculativeConfig
 from tandem.engine.spec_decode.ngram_proposer import NgramProposer
+from tandem.engine.tensor_parallel import unsplit
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,9 @@ class Speculator:
         spec = config.speculative
         if spec.method == "ngram":
             return cls(spec, NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max))
-        return cls(spec, _load_draft(config, target))
+        # Under tensor parallelism the draft stays whole on rank 0, which alone runs it.
+        with unsplit():
+            return cls(spec, _load_draft(config, target))
 
     @property
     def kv_block_bytes(self) -> int:
@@ -73,7 +76,8 @@ class Speculator:
 
     def bind(self, num_blocks: int, max_model_len: int, enable_caching: bool) -> None:
         self.max_model_len = max_model_len
-        self.proposer.bind(num_blocks, max_model_len, enable_caching)
+        with unsplit():  # its cache and CUDA graphs: the whole draft's
+            self.proposer.bind(num_blocks, max_model_len, enable_caching)
 
     def forget(self, request_ids: Iterable[str]) -> None:
         """Requests whose blocks went back (finished, aborted, preempted): their proposer state goes."""
@@ -96,7 +100,9 @@ class Speculator:
                 ks.append(k)
         if not chosen:
             return
-        for request, drafts in zip(chosen, self.proposer.propose(chosen, ks)):
+        with unsplit():
+            proposals = self.proposer.propose(chosen, ks)
+        for request, drafts in zip(chosen, proposals):
             if drafts:
                 request.spec_token_ids = drafts
 

@@ -81,9 +81,7 @@ def test_tp3_smollm2_matches_hf():
 
 
 def test_tensor_parallel_refuses_what_it_is_not_built_for(tmp_path):
-    for kwargs, flag in [({"kv_transfer": "direct"}, "--kv-transfer"),
-                         ({"speculative_config": '{"model": "smollm2", "num_speculative_tokens": 2}'},
-                          "a draft model in --speculative-config")]:
+    for kwargs, flag in [({"kv_transfer": "direct"}, "--kv-transfer"), ({"kv_transfer": "nixl"}, "nixl")]:
         with pytest.raises(ConfigError, match=flag):
             EngineArgs(tensor_parallel_size=2, **kwargs).create_engine_config()
     path, _ = tiny_model_dir(tmp_path, "llama")  # 4 heads, 2 KV heads
@@ -185,5 +183,26 @@ def test_tp2_with_ngram_speculation_matches_hf(tmp_path):
         check_against_oracle(run_greedy(llm, prompts, max_new), refs, exact=False)
         stats = llm.engine.stats()
         assert stats.spec_decode_num_draft_tokens > 0, stats
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_tp2_with_a_draft_model_accepts_its_drafts_and_matches_hf(tmp_path):
+    """The draft (here the model itself: it proposes what the target will
+    say) stays whole on rank 0, outside the group; the target's ranks verify
+    its drafts and rank 0 accepts them: many tokens a step, HF's tokens."""
+    path, hf = tiny_model_dir(tmp_path, "llama", num_attention_heads=8, num_key_value_heads=4)
+    rng = random.Random(9)
+    prompts = [[rng.randrange(2, 512) for _ in range(n)] for n in (5, 17, 40)]
+    max_new = 20
+    refs = [hf_greedy(hf, p, max_new, eos_token_id=None) for p in prompts]
+    llm = LLM(path, tensor_parallel_size=2, speculative_config={"model": path, "num_speculative_tokens": 3})
+    try:
+        draft = llm.engine.speculator.proposer.runner.model.model.layers[0].self_attn
+        assert draft.num_heads == 8  # whole, while the target's rank 0 holds 4
+        check_against_oracle(run_greedy(llm, prompts, max_new), refs, exact=False)
+        stats = llm.engine.stats()
+        assert stats.spec_decode_num_accepted_tokens > stats.spec_decode_num_draft_tokens // 2, stats
     finally:
         llm.shutdown()
