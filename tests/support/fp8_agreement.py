@@ -14,8 +14,9 @@ from tandem.engine import LLM, SamplingParams
 from tests.support.bf16_agreement import NEW_TOKENS, QUESTIONS, TEXT
 
 
-def fp8_agreement(device: str) -> tuple[int, int]:
-    """(positions where FP8 picks bf16's token, positions)."""
+def fp8_agreement(device: str, tensor_parallel_size: int = 1) -> tuple[int, int]:
+    """(positions where FP8 picks bf16's token, positions); tensor_parallel_size:
+    the FP8 engine's (the bf16 one is whole)."""
     reference = LLM("smollm2", device=device, dtype="bfloat16", num_blocks=1024)
     tok = reference.tokenizer
     ids = tok(TEXT * 12)["input_ids"]
@@ -30,9 +31,13 @@ def fp8_agreement(device: str) -> tuple[int, int]:
         for t in range(len(ref)):
             histories.append(p + list(ref[:t]))
             expected.append(ref[t])
-    llm = LLM("smollm2", device=device, dtype="bfloat16", quantization="fp8", num_blocks=4096)
-    outs = llm.generate(histories, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    llm = LLM("smollm2", device=device, dtype="bfloat16", quantization="fp8", num_blocks=4096,
+              tensor_parallel_size=tensor_parallel_size)
+    try:
+        outs = llm.generate(histories, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    finally:
+        llm.shutdown()
     agreed = sum(o.outputs[0].token_ids[0] == e for o, e in zip(outs, expected))
-    print(f"FP8 agreement with bf16 on SmolLM2 ({device}): {agreed}/{len(expected)} "
+    print(f"FP8 agreement with bf16 on SmolLM2 ({device}, TP={tensor_parallel_size}): {agreed}/{len(expected)} "
           f"({agreed / len(expected):.1%})")
     return agreed, len(expected)

@@ -207,3 +207,16 @@ def test_fp8_smollm2_agrees_with_bf16_on_most_greedy_tokens():
 
     agreed, n = fp8_agreement("cpu")
     assert agreed >= 0.88 * n
+
+
+@pytest.mark.timeout(300)
+def test_fp8_smollm2_split_across_three_ranks_agrees_with_bf16_as_much():
+    """Quantized at load under TP=3: each rank quantizes its shard (a
+    row-parallel layer's channel scales over its slice of the inputs, the
+    activations' per-token scales over its slice, as vLLM does), so the
+    tokens are not TP=1's; measured 2026-11-27 on the dev machine: 355/384
+    (92.4%) against 356/384 at TP=1. The bound is TP=1's."""
+    from tests.support.fp8_agreement import fp8_agreement
+
+    agreed, n = fp8_agreement("cpu", tensor_parallel_size=3)
+    assert agreed >= 0.88 * n
