@@ -5,11 +5,11 @@ through torch.distributed.
 
 A worker's life: join the group, load its shard (engine/loader.py's
 tp_shard), take rank 0's number of KV blocks and context length (which
-decide its CUDA graphs on a GPU), then run every plan rank 0
-broadcasts (prepare, forward: the same collectives in the same order as
-rank 0) until the plan is None. It exits when rank 0 says so or when rank 0
-is gone (a watchdog polls its parent: collectives have no deadline, so a
-broadcast would otherwise wait for it forever).
+decide its CUDA graphs on a GPU), then run every plan rank 0 sends
+(prepare, forward: the same collectives in the same order as rank 0) until
+the plan is None. It exits when rank 0 says so or when rank 0 is gone (its
+pipe ends; and a watchdog polls its parent, since collectives have no
+deadline and a worker inside one would otherwise wait for it for ever).
 """
 from __future__ import annotations
 
