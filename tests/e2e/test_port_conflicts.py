@@ -36,7 +36,9 @@ def last_line(result: subprocess.CompletedProcess) -> str:
 
 
 ROLES = {
-    "kvstore": (["tandem.services.kvstore.server"], "--port"),
+    # Its data channel on a free port: the default (50082) may be any earlier
+    # test's ephemeral port, and would be refused first (one CI run saw it).
+    "kvstore": (["tandem.services.kvstore.server", "--data-port", "0"], "--port"),
     "prefill": (["tandem.services.prefill.server", "--metrics-port", "0", "--num-blocks", "64"], "--port"),
     "decode": (["tandem.services.decode.server", "--metrics-port", "0", "--num-blocks", "64"], "--port"),
     # The router's public gRPC API; it waits at most 0.1 s for its (absent) decode instance.
