@@ -89,7 +89,7 @@ def plan_stack(args: argparse.Namespace, log_dir: str) -> tuple[Child, list[Chil
                            *tls_flags] for role, role_args in roles.items()}
     prefills = [child("prefill", i, engine_flags["prefill"]) for i in range(args.prefill)]
     decodes = [child("decode", i, engine_flags["decode"]) for i in range(args.decode)]
-    gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
+    gpus = gpu_ids(args.gpus)
     engines = prefills + decodes
     sizes = [roles[e.role].tensor_parallel_size for e in engines]
     for engine, visible in zip(engines, gpu_slices(gpus, sizes) if gpus else [None] * len(engines)):
@@ -110,6 +110,11 @@ def plan_stack(args: argparse.Namespace, log_dir: str) -> tuple[Child, list[Chil
     if getattr(args, "served_model_name", None):
         router_flags += ["--served-model-name", *args.served_model_name]
     return kvstore, prefills, decodes, router_flags
+
+
+def gpu_ids(flag: str) -> list[str]:
+    """--gpus "0, 1,2" as ["0", "1", "2"]; empty: none given."""
+    return [g.strip() for g in flag.split(",") if g.strip()]
 
 
 def gpu_slices(gpus: list[str], sizes: list[int]) -> list[str]:

@@ -21,8 +21,8 @@ from tandem.engine.config import DEFAULT_MODEL, ConfigError, EngineArgs
 from tandem.services.common.config import add_flag, config_error
 from tandem.services.common.grpc_server import add_tls_arguments, why_unbindable
 from tandem.services.launcher.children import Child, start_child, stop_children, wait_listening
-from tandem.services.launcher.plan import (LAUNCHER_DECIDES, UP_KV_TRANSFERS, gpu_slices, plan_stack,
-                                           role_engine_args)
+from tandem.services.launcher.plan import (LAUNCHER_DECIDES, UP_KV_TRANSFERS, gpu_ids, gpu_slices,
+                                           plan_stack, role_engine_args)
 from tandem.services.launcher.supervisor import (RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S, START_TRIES,
                                                  supervise)
 
@@ -153,7 +153,7 @@ def _check_before_start(args: argparse.Namespace) -> None:
             role_args.create_engine_config()
     except ConfigError as exc:
         config_error(str(exc))
-    gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
+    gpus = gpu_ids(args.gpus)
     if gpus:
         try:
             gpu_slices(gpus, [roles[role].tensor_parallel_size for role in ("prefill", "decode")])
