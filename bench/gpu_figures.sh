@@ -35,13 +35,16 @@ for what in "${@:-tests latency throughput}"; do
     tp)  # needs two GPUs: the TP=2 tests, then Llama-3-8B decode steps at TP=2 and TP=1
       # One pytest process a test, verbose, with Python's stacks dumped if one hangs: the
       # first run of these printed nothing in 200 s (docs/benchmarks.md).
-      for t in eager cuda-graphs agrees_with_tp1; do
-        timeout 200 python -m pytest -v -rxXs -o faulthandler_timeout=150 -p no:cacheprovider \
-          tests/gpu/test_tensor_parallel_gpu.py -k "$t" 2>&1 | grep -v "Writing model" | tail -40
+      # Limits sum under one lent command's 600 s.
+      timeout 120 python -m tandem.bench.all_reduce --output-json "$OUT/all_reduce.json"
+      for t in eager cuda-graphs agrees_with_tp1 peer_all_reduce; do
+        timeout 130 python -m pytest -v -rxXs -o faulthandler_timeout=100 -p no:cacheprovider \
+          tests/gpu/test_tensor_parallel_gpu.py -k "$t" 2>&1 | grep -v "Writing model" | tee "$OUT/tp_$t.log" | tail -40
       done
-      for tp in 2 1; do
-        timeout 150 python -m tandem.bench.latency --preset llama-3-8b --batch-sizes 1,64 --context 512 \
-          --steps 20 --tensor-parallel-size $tp --output-json "$OUT/latency_llama3_8b_tp$tp.json"
+      for run in "2 --peer-all-reduce" "2" "1"; do
+        set -- $run
+        timeout 90 python -m tandem.bench.latency --preset llama-3-8b --batch-sizes 1,64 --context 512 \
+          --steps 20 --tensor-parallel-size $run --output-json "$OUT/latency_llama3_8b_tp$1${2:+_peer}.json"
       done ;;
     throughput)
       python -m tandem.bench.throughput --preset qwen3-0.6b --dataset sharegpt --num-prompts 1000 \

@@ -124,6 +124,9 @@ class EngineConfig:
     # Speculative decoding (engine/spec_decode/); None: off.
     speculative: Optional[SpeculativeConfig] = None
     tensor_parallel_size: int = 1  # engine processes (ranks) the model is split across
+    # Under tensor parallelism on GPUs: peer memory for the small all-reduces
+    # (engine/peer_all_reduce.py), NCCL for the rest; off: NCCL for all.
+    peer_all_reduce: bool = False
     # Offline use (LLM.generate): throughput first, so a larger default token
     # budget on large GPUs; a serving engine keeps steps shorter.
     offline: bool = False
@@ -293,6 +296,12 @@ class EngineArgs:
         "experts' every expert splits its channels); with --kv-transfer store (an engine of any "
         "size loads the blocks one of any other saved), not with --kv-transfer direct or nixl "
         "yet; a speculative draft model stays whole on rank 0", group=_RUNTIME, metavar="N")
+    peer_all_reduce: bool = flag_field(
+        False, "with --tensor-parallel-size above 1 on GPUs: a one-shot all-reduce through the "
+        "GPUs' peer memory (PyTorch's symmetric memory) for tensors up to 128 KiB, NCCL for larger; "
+        "off: NCCL for all. Measured 2%% faster decode at batch 1 on two H200s; off by default "
+        "until a rank lost mid-step is shown to fail the engine cleanly on this path, as it does "
+        "on NCCL's", group=_RUNTIME)
     async_scheduling: AsyncScheduling = flag_field(
         "auto", "schedule and queue the next step while this step's sampled tokens are on their "
         "way from the device, so the host's work (scheduling, preparing inputs, stop rules, text) "
@@ -407,6 +416,7 @@ class EngineArgs:
             kv_staging_bytes=int(self.kv_staging_gib * (1 << 30)),
             speculative=self._speculative(),
             tensor_parallel_size=self.tensor_parallel_size,
+            peer_all_reduce=self.peer_all_reduce,
         )
         config.check_tensor_parallel(self.device)
         return config

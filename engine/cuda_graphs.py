@@ -83,6 +83,17 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
+    def release(self) -> None:
+        """Free every graph. Under tensor parallelism this must come before
+        the process group is destroyed: NCCL's communicator destroy waits for
+        ever while a captured graph that holds its collectives is alive
+        (pytorch/pytorch#115388)."""
+        torch.cuda.synchronize()
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+
     def bucket(self, num_seqs: int) -> Optional[int]:
         i = bisect.bisect_left(self.sizes, num_seqs)
         return self.sizes[i] if i < len(self.sizes) else None

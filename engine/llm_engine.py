@@ -337,6 +337,20 @@ class LLMEngine:
 
     # ---- one step ------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step (_step). Under tensor parallelism a worker lost during it
+        fails it by name, its outputs unseen: its collectives were cut short."""
+        workers = self.tp_workers
+        if workers is None:
+            return self._step()
+        try:
+            outputs = self._step()
+        except Exception:
+            workers.check(failed=True)  # a lost rank is the cause: said by name, this error chained
+            raise
+        workers.check()
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         """One step. With asynchronous scheduling (_defers) a step's sampled
         tokens are left on the device: the next step is scheduled and queued
         first, reading them there, and only then are they taken (stop rules,
@@ -519,6 +533,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         if self.tp_workers is not None:
+            self.runner.release_cuda_graphs()  # before the group is destroyed
             self.tp_workers.stop()
             self.tp_workers = None
         self.structured.close()

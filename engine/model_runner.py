@@ -155,6 +155,12 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.config.scheduler.max_num_seqs,
                                    max_model_len, self.block_size, self.device)
 
+    def release_cuda_graphs(self) -> None:
+        """Drop the decode graphs (before the TP group goes: see DecodeGraphs.release)."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
     def _decide_num_blocks(self, block_bytes: int) -> int:
         cache = self.config.cache
         if cache.num_blocks is not None:

@@ -19,10 +19,16 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
+import threading
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
+
+from tandem.engine.peer_all_reduce import PeerAllReduce
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,7 @@ class TPGroup:
 
 
 _group = TPGroup()
+_peer: Optional[PeerAllReduce] = None  # small all-reduces through peer memory (CUDA)
 
 
 def tp_group() -> TPGroup:
@@ -44,10 +51,13 @@ def rank_device(device_type: str, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device_type == "cuda" else torch.device(device_type)
 
 
-def init_tp(rank: int, world_size: int, init_method: str, device_type: str = "cpu") -> None:
+def init_tp(rank: int, world_size: int, init_method: str, device_type: str = "cpu",
+            peer_all_reduce: bool = True) -> None:
     """Join the tensor-parallel group (blocks until every rank has joined).
-    On CUDA this process's current GPU becomes its rank's."""
-    global _group
+    On CUDA this process's current GPU becomes its rank's, and small
+    all-reduces go through peer memory unless peer_all_reduce is False
+    (engine/peer_all_reduce.py)."""
+    global _group, _peer
     if world_size > 1:
         import torch.distributed as dist
 
@@ -70,16 +80,60 @@ def init_tp(rank: int, world_size: int, init_method: str, device_type: str = "cp
             # inside the first CUDA graph capture, where it cannot.
             dist.all_reduce(torch.zeros(1, device=rank_device("cuda", rank)))
             torch.cuda.synchronize()
+            if peer_all_reduce:
+                _peer = _agreed(PeerAllReduce.build(rank_device("cuda", rank)), rank)
     _group = TPGroup(rank, world_size)
 
 
-def destroy_tp() -> None:
-    global _group
+def _agreed(peer: Optional[PeerAllReduce], rank: int) -> Optional[PeerAllReduce]:
+    """The peer path only if every rank has it: a tensor one rank sums by
+    peer memory and another by NCCL would leave both waiting."""
+    import torch.distributed as dist
+
+    everyone = torch.tensor([peer is not None], dtype=torch.int32, device=rank_device("cuda", rank))
+    dist.all_reduce(everyone, op=dist.ReduceOp.MIN)
+    return peer if bool(everyone.item()) else None
+
+
+def abort_tp() -> None:
+    """Cut short the collectives this rank waits in, after a rank was lost:
+    NCCL's never end otherwise (gloo's fail by themselves when a peer's
+    sockets close). The group is unusable after."""
+    import torch.distributed as dist
+
+    if _group.world_size > 1 and dist.is_initialized() and dist.get_backend() == "nccl":
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        _abort_process_group()
+
+
+def _destroy_group() -> None:
+    import torch.distributed as dist
+
+    try:
+        dist.destroy_process_group()
+    except (RuntimeError, ValueError) as exc:  # e.g. aborted after a lost rank
+        log.warning("tensor-parallel group teardown: %s", exc)
+
+
+def destroy_tp(timeout_s: float = 30.0) -> None:
+    """Leave the group. Bounded: NCCL's teardown has known ways to wait for
+    ever (a live captured graph, a peer gone mid-collective); shutting down
+    must not, so after timeout_s it is left to the process's exit."""
+    global _group, _peer
+    if _peer is not None:  # its buffer is mapped into the other ranks: unmapped before the group goes
+        torch.cuda.synchronize()
+        _peer = None
     if _group.world_size > 1:
         import torch.distributed as dist
 
         if dist.is_initialized():
-            dist.destroy_process_group()
+            done = threading.Thread(target=_destroy_group, name="tp-destroy", daemon=True)
+            done.start()
+            done.join(timeout_s)
+            if done.is_alive():
+                log.error("tensor-parallel group teardown took over %.0f s; left to the process's exit",
+                          timeout_s)
     _group = TPGroup()
 
 
@@ -113,8 +167,11 @@ def vocab_shard(vocab_size: int) -> tuple[int, int]:
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """x summed over the ranks (in place); x itself without a group."""
+    """x summed over the ranks: x itself (summed in place), or a new tensor
+    where peer memory sums it; x unchanged without a group."""
     if _group.world_size > 1:
+        if _peer is not None and _peer.fits(x):
+            return _peer(x)
         import torch.distributed as dist
 
         dist.all_reduce(x)

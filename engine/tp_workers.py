@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 from typing import Callable, Optional
 
 from tandem.engine.config import ConfigError, EngineConfig
-from tandem.engine.tensor_parallel import broadcast_tensor, destroy_tp, init_tp
+from tandem.engine.tensor_parallel import abort_tp, broadcast_tensor, destroy_tp, init_tp, rank_device
 from tandem.engine.tp_channel import PlanSender, WorkerGone, receive
 from tandem.engine.tp_kv import TPKVCacheView, TPKVJob, receive_loads, send_layer
 
@@ -36,6 +36,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# How long rank 0's step may go on waiting after a worker exited before the
+# process ends itself (TPWorkers._watch).
+LOST_RANK_GRACE_S = 30.0
+
+
+def _abort_and_drain(device, drained: threading.Event) -> None:
+    """Abort the group, then wait for the device's queued work; set drained
+    when both returned. Either may block for ever (NCCL's abort can wait on
+    a stream a stuck kernel holds), so the caller only waits on the event."""
+    try:
+        abort_tp()
+    except Exception:  # noqa: BLE001 - the caller's deadline still guards against a hang
+        log.exception("aborting the tensor-parallel group failed")
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+    drained.set()
+
+
+def _exited(procs) -> str:
+    return ", ".join(f"{p.name} exited with code {p.exitcode}" for p in procs if not p.is_alive())
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -54,7 +78,7 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: EngineCon
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     started.set()  # rank 0 may join the group now: this process got this far
-    init_tp(rank, world_size, init_method, config.resolved_device())
+    init_tp(rank, world_size, init_method, config.resolved_device(), config.peer_all_reduce)
     from tandem.engine.hub import HubSource
     from tandem.engine.loader import load_model_info
     from tandem.engine.model_runner import ModelRunner
@@ -68,6 +92,10 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: EngineCon
     # Decode CUDA graphs hold the model's all-reduces: every rank captures the
     # same batch sizes in the same order, and replays the same one each step.
     runner.enable_cuda_graphs(receive(plans))
+    # Fault injection for tests: exit on the Nth plan without running it, so
+    # rank 0 is left in that step's collectives (a kill lands anywhere).
+    exit_at = int(os.environ.get("TANDEM_FAULT_TP_WORKER_EXIT_AT_PLAN", "0"))
+    num_plans = 0
     while True:
         try:
             message = receive(plans)
@@ -76,6 +104,9 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: EngineCon
         if message is None:
             break
         plan, pending = message
+        num_plans += 1
+        if num_plans == exit_at:
+            os._exit(99)
         runner.swap(plan)  # the host tier's copies of this rank's heads, as rank 0 makes its own
         if plan.is_empty:  # a plan that only swapped: nothing to run
             continue
@@ -93,6 +124,7 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: EngineCon
                 ids = torch.tensor(job.save_block_ids, device=runner.device)
                 after_layer = functools.partial(send_layer, runner.kv_cache, block_ids=ids)
         runner.forward(runner.prepare(plan, pending_tokens), plan, None, after_layer)
+    runner.release_cuda_graphs()  # before the group is destroyed
     destroy_tp()
 
 
@@ -142,8 +174,57 @@ class TPWorkers:
         except RuntimeError:
             self._kill()
             raise
-        init_tp(0, world, init_method, config.resolved_device())
+        init_tp(0, world, init_method, config.resolved_device(), config.peer_all_reduce)
         self.kv_view: Optional[TPKVCacheView] = None  # set by cache_view when the engine has a KV connector
+        self.lost: Optional[str] = None  # the workers that exited while the engine ran, by name
+        self._stopping = threading.Event()
+        self.device = rank_device(config.resolved_device(), 0)
+        threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        """A worker that exits while the engine runs fails rank 0's step by
+        name (check), at once: NCCL collectives waiting on it are aborted.
+        If rank 0's GPU work still has not finished LOST_RANK_GRACE_S later
+        (a kernel that waits on peer memory, which no abort reaches), the
+        process ends itself: a lost rank cannot be replaced, and a process
+        whose GPU waits for ever serves nobody, where an exit is restarted
+        by whatever runs it."""
+        from multiprocessing.connection import wait
+
+        ready = wait([p.sentinel for p in self.procs])
+        if self._stopping.is_set():
+            return
+        gone = [p for p in self.procs if p.sentinel in ready]
+        for p in gone:
+            p.join(5)  # its sentinel closes a moment before it can be reaped for its exit code
+        self.lost = _exited(gone)
+        log.error("tensor-parallel worker %s; cutting rank 0's collectives short", self.lost)
+        drained = threading.Event()
+        threading.Thread(target=_abort_and_drain, args=(self.device, drained), name="tp-abort",
+                         daemon=True).start()
+        if not drained.wait(LOST_RANK_GRACE_S):
+            log.critical("tensor-parallel worker %s and rank 0's GPU work is still waiting on it after "
+                         "%.0f s; exiting this process", self.lost, LOST_RANK_GRACE_S)
+            logging.shutdown()
+            os._exit(70)
+
+    def check(self, failed: bool = False) -> None:
+        """Fail the step if a worker was lost while it ran (its outputs may
+        have been computed from cut-short collectives). failed: the step
+        failed already, maybe on a worker the watcher has not reported yet
+        (a write to its pipe): one whose process ended is waited for, for
+        its exit code."""
+        lost = self.lost
+        if lost is None and failed:
+            from multiprocessing.connection import wait
+
+            ready = wait([p.sentinel for p in self.procs], timeout=0)
+            gone = [p for p in self.procs if p.sentinel in ready]
+            for p in gone:
+                p.join(5)
+            lost = _exited(gone) or None
+        if lost is not None:
+            raise RuntimeError(f"tensor-parallel worker {lost}; the engine cannot step")
 
     def _wait_for_start(self, started: list) -> None:
         """Until every worker is about to join the group. Joining blocks
@@ -189,9 +270,8 @@ class TPWorkers:
         heads of the blocks the connector loaded (after start_load); rank 0
         then runs it too. A worker that is gone fails the step (and so the
         engine, loudly) rather than leaving rank 0 waiting in a collective."""
-        dead = [p.name for p in self.procs if not p.is_alive()]
-        if dead:
-            raise RuntimeError(f"tensor-parallel worker(s) {', '.join(dead)} exited; the engine cannot step")
+        if not all(p.is_alive() for p in self.procs):
+            raise RuntimeError(f"tensor-parallel worker {_exited(self.procs)}; the engine cannot step")
         meta, job, loaded = plan.connector_meta, None, None
         if meta is not None:  # the connector's meta holds rank 0's state: the workers get block ids
             load_ids, loaded = self.kv_view.take_loads()
@@ -218,6 +298,7 @@ class TPWorkers:
         return hook
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        self._stopping.set()  # the workers' exits from here on are asked for
         try:
             if all(p.is_alive() for p in self.procs):
                 self.plans.send(None)

@@ -71,3 +71,65 @@ def test_tp2_bf16_agrees_with_tp1(tmp_path):
             llm.shutdown()
     first_tokens = sum(a[0] == b[0] for a, b in zip(tokens[1], tokens[2]))
     assert first_tokens >= len(ps) - 1
+
+
+@pytest.mark.timeout(300)
+def test_peer_all_reduce_sums_as_nccl_does():
+    """The one-shot peer-memory all-reduce gives NCCL's sums, bf16 and fp32,
+    at sizes on both sides of where the engine switches to NCCL; fails too
+    where this PyTorch offers no symmetric memory (the bench exits 1)."""
+    from tandem.bench.all_reduce import main
+
+    assert main(["--world-size", "2", "--sizes", "16,8K,96K,1M", "--replays", "5"]) == 0
+
+
+KILL_SCRIPT = """
+import sys, threading, time
+from tandem.engine import LLM, SamplingParams
+
+if __name__ == "__main__":
+    llm = LLM({path!r}, device="cuda", tensor_parallel_size=2, peer_all_reduce={peer})
+    if {kill}:
+        threading.Timer(2.0, llm.engine.tp_workers.procs[0].kill).start()
+    start = time.monotonic()
+    try:
+        while time.monotonic() - start < 60:
+            llm.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=500, ignore_eos=True))
+        print("NOT RAISED", flush=True)
+    except RuntimeError as exc:
+        print(f"RAISED after {{time.monotonic() - start:.1f}} s: {{exc}}", flush=True)
+    llm.shutdown()
+    print("SHUT DOWN", flush=True)
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("how", ["killed", "exits-inside-a-step"])
+@pytest.mark.parametrize("nccl_only", [False, True], ids=["peer-all-reduce", "nccl"])
+def test_a_rank_lost_mid_generation_fails_the_step_by_name(tmp_path, nccl_only, how):
+    """NCCL's collectives wait for ever on a dead peer: rank 0's watcher
+    aborts them so the step fails naming the worker; where a kernel waits on
+    peer memory, which no abort reaches, the process ends itself instead.
+    killed: SIGKILL at any moment (mostly caught writing the next plan);
+    exits-inside-a-step: the worker takes its 300th plan and exits without
+    running it, which leaves rank 0 inside that step's collectives."""
+    import os
+    import subprocess
+    import sys
+
+    path, _ = tiny_model_dir(tmp_path, "llama", num_attention_heads=8, num_key_value_heads=4, hidden_size=128)
+    script = tmp_path / "lose_a_rank.py"
+    script.write_text(KILL_SCRIPT.format(path=path, peer=not nccl_only, kill=how == "killed"))
+    env = dict(os.environ)
+    if how != "killed":
+        env["TANDEM_FAULT_TP_WORKER_EXIT_AT_PLAN"] = "300"
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=200, env=env)
+    print(proc.stdout, proc.stderr[-3000:])
+    code = -9 if how == "killed" else 99
+    assert f"tandem-tp-rank1 exited with code {code}" in proc.stdout + proc.stderr
+    assert "RAISED" in proc.stdout and "the engine cannot step" in proc.stdout
+    # Then either shut down, or (the GPU stuck in a peer-memory wait) ended itself.
+    if proc.returncode == 70:
+        assert "exiting this process" in proc.stderr
+    else:
+        assert "SHUT DOWN" in proc.stdout

@@ -109,6 +109,24 @@ def test_a_dead_rank_fails_the_step_instead_of_hanging(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_a_rank_lost_in_the_middle_of_a_generation_fails_it_by_name(tmp_path):
+    """Killed while steps run (mid-step or between two): the step fails
+    naming the worker and how it ended, not with the collective's own error
+    (gloo's connection reset, or on GPUs NCCL's wait for ever)."""
+    import threading
+
+    path, _ = tiny_model_dir(tmp_path, "llama")
+    llm = LLM(path, tensor_parallel_size=2)
+    try:
+        worker = llm.engine.tp_workers.procs[0]
+        threading.Timer(1.0, worker.kill).start()
+        with pytest.raises(RuntimeError, match="tandem-tp-rank1 exited with code -9; the engine cannot step"):
+            llm.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=2000, ignore_eos=True))
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.timeout(120)
 def test_a_worker_that_dies_before_joining_fails_the_engine_instead_of_hanging(tmp_path):
     """The commonest way: a script without the `if __name__ == '__main__':`
     guard, whose spawned worker imports it and dies. Rank 0 used to wait
