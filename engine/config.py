@@ -159,10 +159,10 @@ class EngineConfig:
                 raise ConfigError(f"{flag} runs one rank per GPU and this process sees {visible} GPU(s) "
                                   f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): "
                                   f"make {self.tensor_parallel_size} visible, or lower the size")
-        if self.kv_transfer not in (None, "store"):
-            # Their handles point into one process's cache; a rank holds a slice of the heads.
-            raise ConfigError(f"--tensor-parallel-size above 1 does not work with --kv-transfer "
-                              f"{self.kv_transfer} yet: use --kv-transfer store")
+        if self.kv_transfer == "nixl":
+            # Its handles name one registered cache; a rank holds a slice of the heads.
+            raise ConfigError("--tensor-parallel-size above 1 does not work with --kv-transfer nixl yet: "
+                              "use --kv-transfer store or direct")
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -293,9 +293,9 @@ class EngineArgs:
         "heads, MLP channels and the vocabulary divided among them; this process is rank 0 and "
         "starts the others; on GPUs one rank per visible GPU, NCCL between them, gloo on CPUs). "
         "Above 1: models whose head, KV head and MLP channel counts it divides (a mixture of "
-        "experts' every expert splits its channels); with --kv-transfer store (an engine of any "
-        "size loads the blocks one of any other saved), not with --kv-transfer direct or nixl "
-        "yet; a speculative draft model stays whole on rank 0", group=_RUNTIME, metavar="N")
+        "experts' every expert splits its channels); with --kv-transfer store or direct (an engine "
+        "of any size loads the blocks one of any other saved or holds), not with --kv-transfer "
+        "nixl yet; a speculative draft model stays whole on rank 0", group=_RUNTIME, metavar="N")
     peer_all_reduce: bool = flag_field(
         False, "with --tensor-parallel-size above 1 on GPUs: a one-shot all-reduce through the "
         "GPUs' peer memory (PyTorch's symmetric memory) for tensors up to 128 KiB, NCCL for larger; "

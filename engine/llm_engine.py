@@ -31,7 +31,7 @@ from tandem.engine.scheduler import Scheduler
 from tandem.engine.spec_decode.rejection_sampler import RejectionSampler, VerifyResult
 from tandem.engine.spec_decode.speculator import Speculator
 from tandem.engine.structured_output_manager import StructuredOutputManager
-from tandem.engine.tp_workers import TPWorkers, check_tensor_parallel
+from tandem.engine.tp_workers import TPWorkers, check_tensor_parallel, exports_kv_cache
 
 __all__ = ["EngineStats", "LLMEngine", "RequestOutput", "StepTimes"]
 
@@ -141,6 +141,9 @@ class LLMEngine:
         self.connector = (kv_connector(config.kv_role, connector_layout) if kv_connector is not None
                           else self._make_connector(connector_layout, kv_store))
         self.runner.bind_kv_cache(self.connector.allocate_kv_cache() if self.connector else None)
+        if self.tp_workers is not None and exports_kv_cache(config):
+            # A decode copies a prompt's blocks out of every rank's cache: the handle names them all.
+            self.connector.set_rank_exports(self.tp_workers.gather_exports(self.connector.export))
         if self.connector is not None:
             view = self.tp_workers.cache_view(self.runner.kv_cache) if self.tp_workers is not None else None
             self.connector.register_kv_cache(self.runner.kv_cache, view)

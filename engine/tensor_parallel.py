@@ -208,6 +208,16 @@ def scatter_from_first(out: torch.Tensor, parts: Optional[list[torch.Tensor]] = 
     dist.scatter(out, scatter_list=[p.contiguous() for p in parts] if parts is not None else None, src=0)
 
 
+def gather_objects_to_first(obj: object) -> Optional[list]:
+    """Every rank's obj (picklable) on rank 0, in rank order; None elsewhere.
+    For set-up, not steps: it pickles and goes through the host."""
+    import torch.distributed as dist
+
+    parts = [None] * _group.world_size if _group.rank == 0 else None
+    dist.gather_object(obj, parts, dst=0)
+    return parts
+
+
 def broadcast_tensor(x: torch.Tensor) -> torch.Tensor:
     """Rank 0's x into every rank's x (same shape and dtype on all), queued
     on the device's stream with NCCL: no rank waits on its host for it."""

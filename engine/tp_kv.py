@@ -45,6 +45,8 @@ class TPKVCacheView(KVCacheView):
     """Rank 0's view of whole blocks: its own heads in its cache, the other
     ranks' over the group."""
 
+    splits_heads = True
+
     def __init__(self, kv_cache: torch.Tensor) -> None:
         super().__init__(kv_cache)
         self.world_size = tp_group().world_size

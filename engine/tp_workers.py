@@ -25,7 +25,8 @@ from multiprocessing.connection import Connection
 from typing import Callable, Optional
 
 from tandem.engine.config import ConfigError, EngineConfig
-from tandem.engine.tensor_parallel import abort_tp, broadcast_tensor, destroy_tp, init_tp, rank_device
+from tandem.engine.tensor_parallel import (abort_tp, broadcast_tensor, destroy_tp, gather_objects_to_first, init_tp,
+                                           rank_device)
 from tandem.engine.tp_channel import PlanSender, WorkerGone, receive
 from tandem.engine.tp_kv import TPKVCacheView, TPKVJob, receive_loads, send_layer
 
@@ -58,6 +59,12 @@ def _abort_and_drain(device, drained: threading.Event) -> None:
     drained.set()
 
 
+def exports_kv_cache(config: EngineConfig) -> bool:
+    """Whether every rank's KV cache is shared memory (or CUDA IPC) that a
+    decode on the host reads blocks from: a producer of the direct transfer."""
+    return config.kv_transfer == "direct" and config.kv_role in ("producer", "both")
+
+
 def _exited(procs) -> str:
     return ", ".join(f"{p.name} exited with code {p.exitcode}" for p in procs if not p.is_alive())
 
@@ -88,7 +95,15 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: EngineCon
                            HubSource(mc.revision, mc.download_dir))
     runner = ModelRunner(config, info)
     runner.set_num_blocks(receive(plans))
-    runner.bind_kv_cache()
+    shared = None
+    if exports_kv_cache(config):  # the direct transfer's producer: a decode reads every rank's cache
+        from tandem.engine.connector.shared_cache import ExportedKVCache
+
+        shared = ExportedKVCache(runner.layout.shape, runner.dtype, runner.device)
+        runner.bind_kv_cache(shared.tensor)
+        gather_objects_to_first(shared.export)
+    else:
+        runner.bind_kv_cache()
     # Decode CUDA graphs hold the model's all-reduces: every rank captures the
     # same batch sizes in the same order, and replays the same one each step.
     runner.enable_cuda_graphs(receive(plans))
@@ -126,6 +141,8 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: EngineCon
         runner.forward(runner.prepare(plan, pending_tokens), plan, None, after_layer)
     runner.release_cuda_graphs()  # before the group is destroyed
     destroy_tp()
+    if shared is not None:
+        shared.close()
 
 
 def check_tensor_parallel(config: EngineConfig, hf_config) -> None:
@@ -252,6 +269,11 @@ class TPWorkers:
     def share_max_model_len(self, max_model_len: int) -> None:
         """Every rank captures the CUDA graphs rank 0 does (none on a CPU)."""
         self.plans.send(max_model_len)
+
+    def gather_exports(self, own) -> list:
+        """Every rank's KVExport (this one's `own`), in rank order: the
+        workers send theirs once their caches are bound (exports_kv_cache)."""
+        return gather_objects_to_first(own)
 
     def cache_view(self, kv_cache) -> TPKVCacheView:
         """The view of whole blocks a KV connector on rank 0 moves (engine/tp_kv.py)."""

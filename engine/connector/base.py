@@ -139,6 +139,8 @@ class KVCacheView:
     the other ranks' slices, so the blocks a connector moves are the same
     whatever the tensor parallelism."""
 
+    splits_heads = False  # True where other processes hold some of the KV heads
+
     def __init__(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache  # [layers, 2, blocks, block_size, kv_heads, head_dim]
 

@@ -27,13 +27,38 @@ def handle_to_proto(kv_transfer_params: dict) -> Optional[common_pb2.KVHandle]:
                               data_shm=e.data_shm, model=handle.model, block_ids=handle.block_ids,
                               generations=handle.generations)
     if e.cuda is not None:
-        c = e.cuda
-        msg.cuda.CopyFrom(common_pb2.CudaIpcHandle(
-            device_uuid=c.device_uuid, device=c.device, handle=c.handle, size_bytes=c.size_bytes,
-            offset_bytes=c.offset_bytes, ref_counter_handle=c.ref_counter_handle,
-            ref_counter_offset=c.ref_counter_offset, event_handle=c.event_handle,
-            event_sync_required=c.event_sync_required))
+        msg.cuda.CopyFrom(_cuda_to_proto(e.cuda))
+    for r in handle.rank_exports:
+        rank = msg.rank_caches.add(generations_shm=r.generations_shm, data_shm=r.data_shm)
+        if r.cuda is not None:
+            rank.cuda.CopyFrom(_cuda_to_proto(r.cuda))
     return msg
+
+
+def _cuda_to_proto(c: CudaIpcHandle) -> common_pb2.CudaIpcHandle:
+    return common_pb2.CudaIpcHandle(
+        device_uuid=c.device_uuid, device=c.device, handle=c.handle, size_bytes=c.size_bytes,
+        offset_bytes=c.offset_bytes, ref_counter_handle=c.ref_counter_handle,
+        ref_counter_offset=c.ref_counter_offset, event_handle=c.event_handle,
+        event_sync_required=c.event_sync_required)
+
+
+def _export_from_proto(shape: tuple[int, ...], dtype: str, cache) -> KVExport:
+    """A KVHandle's or KVRankCache's cache; only segments a tandem prefill
+    made: a handle must not open other shared memory."""
+    for name in (cache.generations_shm, cache.data_shm):
+        if name and not name.startswith(SEGMENT_PREFIX):
+            raise ValueError(f"kv_handle: {name!r} is not a tandem KV segment")
+    cuda = None
+    if cache.HasField("cuda"):
+        c = cache.cuda
+        cuda = CudaIpcHandle(c.device_uuid, c.device, c.handle, c.size_bytes, c.offset_bytes,
+                             c.ref_counter_handle, c.ref_counter_offset, c.event_handle,
+                             c.event_sync_required)
+    elif not cache.data_shm:
+        raise ValueError("kv_handle: names neither a shared-memory segment nor a CUDA handle")
+    return KVExport(shape=shape, dtype=dtype, generations_shm=cache.generations_shm, data_shm=cache.data_shm,
+                    cuda=cuda)
 
 
 def _nixl_to_proto(h: "nixl.NixlHandle") -> common_pb2.KVHandle:
@@ -61,21 +86,10 @@ def handle_from_proto(msg: common_pb2.KVHandle) -> dict:
             mem_type=n.mem_type, device=n.device, cache_address=n.cache_address,
             generations_address=n.generations_address, block_ids=list(msg.block_ids),
             generations=list(msg.generations))}
-    # Only segments a tandem prefill made: a handle must not open other shared memory.
-    for name in (msg.generations_shm, msg.data_shm):
-        if name and not name.startswith(SEGMENT_PREFIX):
-            raise ValueError(f"kv_handle: {name!r} is not a tandem KV segment")
-    cuda = None
-    if msg.HasField("cuda"):
-        c = msg.cuda
-        cuda = CudaIpcHandle(c.device_uuid, c.device, c.handle, c.size_bytes, c.offset_bytes,
-                             c.ref_counter_handle, c.ref_counter_offset, c.event_handle,
-                             c.event_sync_required)
-    elif not msg.data_shm:
-        raise ValueError("kv_handle: names neither a shared-memory segment nor a CUDA handle")
-    export = KVExport(shape=tuple(msg.shape), dtype=msg.dtype, generations_shm=msg.generations_shm,
-                      data_shm=msg.data_shm, cuda=cuda)
-    return {HANDLE_KEY: DirectHandle(export, msg.model, list(msg.block_ids), list(msg.generations))}
+    shape = tuple(msg.shape)
+    export = _export_from_proto(shape, msg.dtype, msg)
+    ranks = tuple(_export_from_proto(shape, msg.dtype, r) for r in msg.rank_caches)
+    return {HANDLE_KEY: DirectHandle(export, msg.model, list(msg.block_ids), list(msg.generations), ranks)}
 
 
 def store_write_to_proto(kv_transfer_params: dict) -> Optional[common_pb2.KVStoreWrite]:

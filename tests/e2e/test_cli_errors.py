@@ -107,6 +107,6 @@ def test_up_checks_engine_settings_before_starting_anything(tmp_path):
 
 
 def test_up_checks_each_roles_own_settings(tmp_path):
-    result = up("--kv-transfer", "direct", "--decode-tensor-parallel-size", "2", "--log-dir", str(tmp_path))
-    assert_one_line_error(result, "error: --tensor-parallel-size above 1 does not work with --kv-transfer direct")
+    result = up("--kv-transfer", "nixl", "--decode-tensor-parallel-size", "2", "--log-dir", str(tmp_path))
+    assert_one_line_error(result, "error: --tensor-parallel-size above 1 does not work with --kv-transfer nixl")
     assert list(tmp_path.iterdir()) == []

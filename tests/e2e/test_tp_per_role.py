@@ -1,6 +1,7 @@
 """Tensor parallelism of its own per role: a TP=2 prefill hands its prompts'
-KV to a TP=1 decode through the KV store, and a TP=1 prefill to a TP=2
-decode, and the text is LLM.generate's. Real `tandem up` stacks (`--prefill-
+KV to a TP=1 decode through the KV store, a TP=1 prefill to a TP=2 decode,
+and a TP=2 prefill to a TP=2 decode by the direct transfer (shared memory),
+and the text is LLM.generate's. Real `tandem up` stacks (`--prefill-
 tensor-parallel-size`, `--decode-tensor-parallel-size`) on a tiny random
 Llama with 8 heads and 4 KV heads (SmolLM2's 9 heads do not split in two)
 that carries SmolLM2's tokenizer, so the router can serve it."""
@@ -41,11 +42,14 @@ def model(tmp_path_factory):
     return {"path": path, "prompts": prompts, "texts": [o.outputs[0].text for o in outputs]}
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)], ids=["prefill-tp2-decode-tp1",
-                                                                        "prefill-tp1-decode-tp2"])
-def test_a_prefill_hands_kv_to_a_decode_of_another_tensor_parallel_size(model, prefill_tp, decode_tp):
+@pytest.mark.parametrize("prefill_tp,decode_tp,transfer", [(2, 1, "store"), (1, 2, "store"), (2, 2, "direct")],
+                         ids=["prefill-tp2-decode-tp1", "prefill-tp1-decode-tp2", "direct-tp2-to-tp2"])
+def test_a_prefill_hands_kv_to_a_decode_of_another_tensor_parallel_size(model, prefill_tp, decode_tp, transfer):
+    """direct: the decode copies each block's heads out of both prefill
+    ranks' shared caches and hands its own rank 1 its half (both sides'
+    tensor-parallel paths of the direct transfer in one stack)."""
     stack = TandemStack(StackOptions(private=True, extra_args=(
-        "--model", model["path"], "--num-blocks", "64",
+        "--model", model["path"], "--num-blocks", "64", "--kv-transfer", transfer,
         "--prefill-tensor-parallel-size", str(prefill_tp), "--decode-tensor-parallel-size", str(decode_tp))))
     try:
         stack.start()
