@@ -118,5 +118,13 @@ def test_decode_refuses_a_malformed_handle(tandem_stack):
                                        block_ids=[9], generations=[1])
     foreign = common_pb2.KVHandle(shape=[1, 2, 8, 16, 1, 64], dtype="float32", data_shm="someone-elses",
                                   generations_shm="tandem-kv-x-gen", block_ids=[1], generations=[1])
-    for handle in (bad_shape, out_of_range, foreign):
+    # A tensor-parallel prefill's other ranks: held to the same rules.
+    foreign_rank = common_pb2.KVHandle(shape=[1, 2, 8, 16, 1, 64], dtype="float32", data_shm="tandem-kv-x-data",
+                                       generations_shm="tandem-kv-x-gen", block_ids=[1], generations=[1],
+                                       rank_caches=[common_pb2.KVRankCache(generations_shm="tandem-kv-y-gen",
+                                                                           data_shm="someone-elses")])
+    nothing_named = common_pb2.KVHandle(shape=[1, 2, 8, 16, 1, 64], dtype="float32", data_shm="tandem-kv-x-data",
+                                        generations_shm="tandem-kv-x-gen", block_ids=[1], generations=[1],
+                                        rank_caches=[common_pb2.KVRankCache(generations_shm="tandem-kv-y-gen")])
+    for handle in (bad_shape, out_of_range, foreign, foreign_rank, nothing_named):
         assert asyncio.run(call(handle)) == grpc.StatusCode.INVALID_ARGUMENT
