@@ -16,7 +16,7 @@ import time
 
 import torch
 
-DEFAULT_SIZES = "8K,32K,128K,512K,1M,4M"
+DEFAULT_SIZES = "8K,32K,128K,512K,1M"
 ITERS = 32  # all-reduces per graph: a decode step of a 16-layer model
 
 
@@ -74,9 +74,12 @@ def _rank_main(rank: int, world: int, init_method: str, sizes: list[int], replay
 
     from tandem.engine import tensor_parallel as tp
 
-    tp.init_tp(rank, world, init_method, "cuda", peer_all_reduce=True)
+    from tandem.engine.peer_all_reduce import PeerAllReduce
+
+    tp.init_tp(rank, world, init_method, "cuda", peer_all_reduce=False)
     device = tp.rank_device("cuda", rank)
-    peer = tp._peer
+    # Sized for every size asked, past the engine's own threshold: where the crossover lies is the point.
+    peer = PeerAllReduce.build(device, max_bytes=max(sizes))
     rows, ok = [], True
     for nbytes in sizes:
         for dtype in (torch.bfloat16, torch.float32):
@@ -102,6 +105,8 @@ def _rank_main(rank: int, world: int, init_method: str, sizes: list[int], replay
     dist.all_reduce(everyone, op=dist.ReduceOp.MIN)  # any rank's wrong sum fails the check
     if rank == 0:
         results.put((peer is not None, bool(everyone.item()), rows))
+    torch.cuda.synchronize()
+    del peer  # unmapped before the group goes
     tp.destroy_tp()
 
 

@@ -2,7 +2,7 @@
 # The GPU figures of docs/benchmarks.md, in one go, from the repository root on a
 # CUDA machine whose Python has torch, triton and transformers (the lent H100
 # image has them; see ../shared/device/README.md). OUT: where JSON results go.
-# Usage: bash bench/gpu_figures.sh [kernels|tests|latency|throughput|tp]...
+# Usage: bash bench/gpu_figures.sh [kernels|tests|latency|throughput|tp|tp-tests]...
 # kernels: the decode sweep (fused vs two-launch reduce, tiles, splits per SM) on
 # SWEEP_SHAPES (set it empty to skip the sweep), then the whole decode table with
 # the defaults.
@@ -32,15 +32,19 @@ for what in "${@:-tests latency throughput}"; do
         --steps 20 --output-json "$OUT/latency_llama3_8b.json"
       python -m tandem.bench.latency --preset llama-3-8b --batch-sizes 1,8 --context 512 --steps 20 \
         --enforce-eager --output-json "$OUT/latency_llama3_8b_eager.json" ;;
-    tp)  # needs two GPUs: the TP=2 tests, then Llama-3-8B decode steps at TP=2 and TP=1
-      # One pytest process a test, verbose, with Python's stacks dumped if one hangs: the
-      # first run of these printed nothing in 200 s (docs/benchmarks.md).
-      # Limits sum under one lent command's 600 s.
-      timeout 120 python -m tandem.bench.all_reduce --output-json "$OUT/all_reduce.json"
-      for t in eager cuda-graphs agrees_with_tp1 peer_all_reduce; do
-        timeout 130 python -m pytest -v -rxXs -o faulthandler_timeout=100 -p no:cacheprovider \
+    tp-tests)  # needs two GPUs: the TP tests (more than one lent command's 600 s: one call for
+      # this mode alone). One pytest process a test, verbose, with Python's stacks dumped if
+      # one hangs: the first run of these printed nothing in 200 s (docs/benchmarks.md).
+      for t in eager cuda-graphs agrees_with_tp1 peer_all_reduce peer-all-reduce-exits-inside; do
+        timeout 110 python -m pytest -v -rxXs -o faulthandler_timeout=90 -p no:cacheprovider \
           tests/gpu/test_tensor_parallel_gpu.py -k "$t" 2>&1 | grep -v "Writing model" | tee "$OUT/tp_$t.log" | tail -40
       done
+      # The direct transfer between two TP=2 engines (needs the gRPC stubs: STUBS).
+      timeout 120 python -m pytest -v -rxXs -p no:cacheprovider tests/gpu/test_kv_pull_gpu.py -k tp2 2>&1 \
+        | grep -v "Writing model" | tee "$OUT/tp_direct.log" | tail -20 ;;
+    tp)  # needs two GPUs: the all-reduce check and timing, then Llama-3-8B decode steps at
+      # TP=2 (peer all-reduce, then NCCL only) and TP=1. Limits sum under one command's 600 s.
+      timeout 120 python -m tandem.bench.all_reduce --output-json "$OUT/all_reduce.json"
       for run in "2 --peer-all-reduce" "2" "1"; do
         set -- $run
         timeout 90 python -m tandem.bench.latency --preset llama-3-8b --batch-sizes 1,64 --context 512 \

@@ -43,9 +43,14 @@ def _has_nixl() -> bool:
 
 
 NO_NIXL = pytest.mark.skipif(not _has_nixl(), reason="NIXL is not installed")
-CASES = [pytest.param("direct", "cpu", id="direct-cpu"),
-         pytest.param("direct", "cuda", id="direct-cuda", marks=NO_CUDA),
-         pytest.param("nixl", "cuda", id="nixl-cuda", marks=[NO_CUDA, NO_NIXL])]
+NO_TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+# (transfer, device, tensor parallelism of the prefill and of the decode)
+CASES = [pytest.param("direct", "cpu", 1, id="direct-cpu"),
+         pytest.param("direct", "cuda", 1, id="direct-cuda", marks=NO_CUDA),
+         # Each side on two GPUs: every prefill rank's cache through CUDA IPC,
+         # assembled whole on the decode's rank 0 and split to its rank 1.
+         pytest.param("direct", "cuda", 2, id="direct-cuda-tp2-to-tp2", marks=NO_TWO_GPUS),
+         pytest.param("nixl", "cuda", 1, id="nixl-cuda", marks=[NO_CUDA, NO_NIXL])]
 
 
 def run(engine: LLMEngine, max_tokens: int, **kwargs) -> list[int]:
@@ -58,27 +63,33 @@ def run(engine: LLMEngine, max_tokens: int, **kwargs) -> list[int]:
     return tokens
 
 
-@pytest.mark.parametrize("transfer, device", CASES)
-def test_decode_copies_from_a_prefill_in_another_process(tmp_path, transfer, device):
-    path, _ = tiny_model_dir(tmp_path, "llama")
+@pytest.mark.parametrize("transfer, device, tp", CASES)
+def test_decode_copies_from_a_prefill_in_another_process(tmp_path, transfer, device, tp):
+    path, _ = tiny_model_dir(tmp_path, "llama")  # 4 heads, 2 KV heads: TP=2 splits them
 
-    def engine(connector=None, role="both") -> LLMEngine:
+    def engine(connector=None, role="both", tensor_parallel_size=1) -> LLMEngine:
         return LLMEngine(EngineConfig(model=ModelConfig(model=path, dtype="float32"),
                                       cache=CacheConfig(block_size=16, num_blocks=256), device=device,
-                                      kv_transfer=connector, kv_role=role))
+                                      kv_transfer=connector, kv_role=role,
+                                      tensor_parallel_size=tensor_parallel_size))
 
-    reference = run(engine(), MAX_NEW)
+    reference_engine = engine()
+    reference = run(reference_engine, MAX_NEW)
+    reference_engine.shutdown()
     producer = subprocess.Popen(
         [sys.executable, "-m", "tests.support.kv_producer", path, device, "float32",
-         ",".join(map(str, PROMPT)), transfer], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+         ",".join(map(str, PROMPT)), transfer, str(tp)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True)
+    decode = None
     try:
         line = read_answer(producer.stdout)
         handle = common_pb2.KVHandle.FromString(bytes.fromhex(line["handle"]))
         if transfer == "direct":
             assert handle.HasField("cuda") == (device == "cuda")
+            assert len(handle.rank_caches) == tp - 1
         else:
             assert handle.nixl.mem_type == "VRAM"
-        decode = engine(transfer, "consumer")
+        decode = engine(transfer, "consumer", tp)
         # Decode's first output carries the token prefill sampled.
         tokens = run(decode, MAX_NEW, first_token_ids=line["first"], kv_transfer_params=handle_from_proto(handle))
         assert tokens == reference
@@ -86,5 +97,7 @@ def test_decode_copies_from_a_prefill_in_another_process(tmp_path, transfer, dev
         assert stats.kv_load_blocks == len(PROMPT) // 16 and stats.recompute_fallbacks == 0
         assert stats.prompt_tokens_computed == len(PROMPT) % 16
     finally:
+        if decode is not None:
+            decode.shutdown()
         producer.stdin.close()
         producer.wait(timeout=60)

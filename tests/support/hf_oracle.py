@@ -2,6 +2,8 @@
 and the rule for comparing the engine's output against it."""
 from __future__ import annotations
 
+import copy
+import functools
 import os
 from dataclasses import dataclass
 
@@ -115,14 +117,25 @@ def tiny_model_dir(tmp_path, arch: str, seed: int = 0, lm_head_scale: float = 1.
 def embedded_hf_model():
     """HF transformers' own SmolLM2-135M-Instruct (fp32) and tokenizer, read from
     the embedded GGUF file itself: the engine reads the folder that file was
-    converted into (engine/gguf_cache.py), so the conversion is tested too."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    converted into (engine/gguf_cache.py), so the conversion is tested too.
+    A fresh model each call (callers may cast or move it); what it is built
+    from is read from the file once per test session (about 20 s a read)."""
+    from transformers import AutoModelForCausalLM
+
+    config, state, tokenizer = _embedded_hf_parts()
+    hf = AutoModelForCausalLM.from_config(copy.deepcopy(config)).float().eval()
+    hf.load_state_dict(state, strict=False)  # copies: the cached tensors stay as read
+    hf.tie_weights()
+    return hf, tokenizer
+
+
+@functools.lru_cache(maxsize=1)
+def _embedded_hf_parts():
+    from transformers import AutoConfig, AutoTokenizer
 
     from tandem.engine.loader import embedded_gguf_path, gguf_state_dict
 
     path = embedded_gguf_path()
     folder, name = os.path.dirname(path), os.path.basename(path)
-    hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, gguf_file=name)).float().eval()
-    hf.load_state_dict(gguf_state_dict(path), strict=False)
-    hf.tie_weights()
-    return hf, AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return (AutoConfig.from_pretrained(folder, gguf_file=name), gguf_state_dict(path),
+            AutoTokenizer.from_pretrained(folder, gguf_file=name))

@@ -4,7 +4,7 @@ first token, prints the first token and the KVHandle (hex of the serialized
 proto) as one JSON line, then holds the blocks until a line arrives on stdin
 (or stdin closes).
 
-    python -m tests.support.kv_producer MODEL_DIR DEVICE DTYPE TOKEN,TOKEN,... [direct|nixl]
+    python -m tests.support.kv_producer MODEL_DIR DEVICE DTYPE TOKEN,TOKEN,... [direct|nixl] [TP]
 """
 from __future__ import annotations
 
@@ -27,10 +27,12 @@ def main() -> None:
 
     model_dir, device, dtype, prompt = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
     transfer = sys.argv[5] if len(sys.argv) > 5 else "direct"
+    tensor_parallel_size = int(sys.argv[6]) if len(sys.argv) > 6 else 1
     prompt_ids = [int(t) for t in prompt.split(",")]
     engine = LLMEngine(EngineConfig(model=ModelConfig(model=model_dir, dtype=dtype),
                                     cache=CacheConfig(block_size=16, num_blocks=256), device=device,
-                                    kv_transfer=transfer, kv_role="producer"))
+                                    kv_transfer=transfer, kv_role="producer",
+                                    tensor_parallel_size=tensor_parallel_size))
     engine.add_request("r", prompt_ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
     out = None
     while engine.has_unfinished():
