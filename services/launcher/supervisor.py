@@ -40,7 +40,8 @@ class _Restarts:
 def supervise(children: list[Child], args: argparse.Namespace, stopping: dict, progress,
                save_state) -> int:
     """Watch the children until SIGINT/SIGTERM; returns `tandem up`'s exit status."""
-    restarts = {c.name: _Restarts(started_at=time.monotonic()) for c in children}
+    first_backoff_s = args.restart_backoff
+    restarts = {c.name: _Restarts(backoff_s=first_backoff_s, started_at=time.monotonic()) for c in children}
     while stopping["signal"] is None:
         now = time.monotonic()
         for child in children:
@@ -60,7 +61,7 @@ def supervise(children: list[Child], args: argparse.Namespace, stopping: dict, p
                     if check_listening(child):
                         progress(f"{child.name} listening on {child.address} again")
                 elif now - r.started_at >= RESTART_RESET_S:
-                    r.backoff_s = RESTART_BACKOFF_S
+                    r.backoff_s = first_backoff_s
                 continue
             exited = f"{child.name} (pid {child.pid}) {exit_text(code)}"
             r.failed_starts = 0 if child.listening else r.failed_starts + 1

@@ -139,6 +139,8 @@ def _check_before_start(args: argparse.Namespace) -> None:
 
     api_keys_from_flag(args.api_key)
     served_names_from_flag(args.served_model_name)
+    if not args.restart_backoff > 0:  # 0 would restart a crashing child in a tight loop
+        config_error(f"--restart-backoff: must be above 0, got {args.restart_backoff:g}")
     fixed = [("--port", args.port), ("--grpc-port", args.grpc_port)]
     if args.kv_transfer == "store":
         fixed.append(("--kvstore-port", args.kvstore_port))
@@ -217,9 +219,12 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
                   "again at each restart (the new pid) (for tests)")
     add_flag(p, "--no-restart", type=bool, default=False,
              help="leave a child that exits dead and stop the stack (unless --keep-going); by "
-                  f"default it is restarted on its own port after {RESTART_BACKOFF_S:g} s, doubling "
+                  "default it is restarted on its own port after --restart-backoff seconds, doubling "
                   f"per restart in a row up to {RESTART_BACKOFF_MAX_S:g} s, and a child that exits "
                   f"{START_TRIES} times in a row before listening stops the stack")
+    add_flag(p, "--restart-backoff", type=float, default=RESTART_BACKOFF_S, metavar="SECONDS",
+             help="wait before a child's first restart in a row; each next one waits twice as long, "
+                  f"up to {RESTART_BACKOFF_MAX_S:g} s")
     add_flag(p, "--keep-going", type=bool, default=False,
              help="when a child is not restarted (--no-restart, or it cannot start): keep serving "
                   "without it instead of stopping the stack (fault tests)")

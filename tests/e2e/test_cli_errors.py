@@ -104,6 +104,9 @@ def test_up_checks_engine_settings_before_starting_anything(tmp_path):
     result = up("--block-size", "0", "--log-dir", str(tmp_path))
     assert_one_line_error(result, "error: --block-size: must be above 0, got 0")
     assert list(tmp_path.iterdir()) == []
+    result = up("--restart-backoff", "0", "--log-dir", str(tmp_path))
+    assert_one_line_error(result, "error: --restart-backoff: must be above 0, got 0")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_up_checks_each_roles_own_settings(tmp_path):
