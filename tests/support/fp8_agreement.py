@@ -10,6 +10,8 @@ the share it picks the bf16 engine's token.
 """
 from __future__ import annotations
 
+import functools
+
 from tandem.engine import LLM, SamplingParams
 from tests.support.bf16_agreement import NEW_TOKENS, QUESTIONS, TEXT
 
@@ -17,6 +19,23 @@ from tests.support.bf16_agreement import NEW_TOKENS, QUESTIONS, TEXT
 def fp8_agreement(device: str, tensor_parallel_size: int = 1) -> tuple[int, int]:
     """(positions where FP8 picks bf16's token, positions); tensor_parallel_size:
     the FP8 engine's (the bf16 one is whole)."""
+    histories, expected = _bf16_reference(device)
+    llm = LLM("smollm2", device=device, dtype="bfloat16", quantization="fp8", num_blocks=4096,
+              tensor_parallel_size=tensor_parallel_size)
+    try:
+        outs = llm.generate(histories, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    agreed = sum(o.outputs[0].token_ids[0] == e for o, e in zip(outs, expected))
+    print(f"FP8 agreement with bf16 on SmolLM2 ({device}, TP={tensor_parallel_size}): {agreed}/{len(expected)} "
+          f"({agreed / len(expected):.1%})")
+    return agreed, len(expected)
+
+
+@functools.lru_cache(maxsize=2)
+def _bf16_reference(device: str) -> tuple[list[list[int]], list[int]]:
+    """The bf16 engine's greedy continuations as teacher-forced positions:
+    (every prefix, the token bf16 chose after it); once per device a session."""
     reference = LLM("smollm2", device=device, dtype="bfloat16", num_blocks=1024)
     tok = reference.tokenizer
     ids = tok(TEXT * 12)["input_ids"]
@@ -31,13 +50,4 @@ def fp8_agreement(device: str, tensor_parallel_size: int = 1) -> tuple[int, int]
         for t in range(len(ref)):
             histories.append(p + list(ref[:t]))
             expected.append(ref[t])
-    llm = LLM("smollm2", device=device, dtype="bfloat16", quantization="fp8", num_blocks=4096,
-              tensor_parallel_size=tensor_parallel_size)
-    try:
-        outs = llm.generate(histories, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-    finally:
-        llm.shutdown()
-    agreed = sum(o.outputs[0].token_ids[0] == e for o, e in zip(outs, expected))
-    print(f"FP8 agreement with bf16 on SmolLM2 ({device}, TP={tensor_parallel_size}): {agreed}/{len(expected)} "
-          f"({agreed / len(expected):.1%})")
-    return agreed, len(expected)
+    return histories, expected
