@@ -52,11 +52,11 @@ def rank_device(device_type: str, rank: int) -> torch.device:
 
 
 def init_tp(rank: int, world_size: int, init_method: str, device_type: str = "cpu",
-            peer_all_reduce: bool = True) -> None:
+            peer_all_reduce: bool = False) -> None:
     """Join the tensor-parallel group (blocks until every rank has joined).
-    On CUDA this process's current GPU becomes its rank's, and small
-    all-reduces go through peer memory unless peer_all_reduce is False
-    (engine/peer_all_reduce.py)."""
+    On CUDA this process's current GPU becomes its rank's, and with
+    peer_all_reduce small all-reduces go through peer memory
+    (engine/peer_all_reduce.py; --peer-all-reduce)."""
     global _group, _peer
     if world_size > 1:
         import torch.distributed as dist
