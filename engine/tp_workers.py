@@ -69,6 +69,18 @@ def _exited(procs) -> str:
     return ", ".join(f"{p.name} exited with code {p.exitcode}" for p in procs if not p.is_alive())
 
 
+def _reap_exited(procs, timeout: float) -> Optional[str]:
+    """The workers whose processes ended, waited up to `timeout` s for,
+    named with their exit codes; None if none ended."""
+    from multiprocessing.connection import wait
+
+    ready = wait([p.sentinel for p in procs], timeout=timeout)
+    gone = [p for p in procs if p.sentinel in ready]
+    for p in gone:
+        p.join(5)  # its sentinel closes a moment before it can be reaped for its exit code
+    return _exited(gone) or None
+
+
 def _exit_with_parent(parent: int) -> None:
     while True:
         if os.getppid() != parent:
@@ -208,13 +220,10 @@ class TPWorkers:
         by whatever runs it."""
         from multiprocessing.connection import wait
 
-        ready = wait([p.sentinel for p in self.procs])
-        if self._stopping.is_set():
+        wait([p.sentinel for p in self.procs])
+        if self._stopping.is_set():  # asked for: stop() joins them (two threads must not reap one child)
             return
-        gone = [p for p in self.procs if p.sentinel in ready]
-        for p in gone:
-            p.join(5)  # its sentinel closes a moment before it can be reaped for its exit code
-        self.lost = _exited(gone)
+        self.lost = _reap_exited(self.procs, timeout=0)
         log.error("tensor-parallel worker %s; cutting rank 0's collectives short", self.lost)
         drained = threading.Event()
         threading.Thread(target=_abort_and_drain, args=(self.device, drained), name="tp-abort",
@@ -233,13 +242,7 @@ class TPWorkers:
         its exit code."""
         lost = self.lost
         if lost is None and failed:
-            from multiprocessing.connection import wait
-
-            ready = wait([p.sentinel for p in self.procs], timeout=0)
-            gone = [p for p in self.procs if p.sentinel in ready]
-            for p in gone:
-                p.join(5)
-            lost = _exited(gone) or None
+            lost = _reap_exited(self.procs, timeout=0)
         if lost is not None:
             raise RuntimeError(f"tensor-parallel worker {lost}; the engine cannot step")
 
