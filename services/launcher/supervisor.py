@@ -15,7 +15,7 @@ from typing import Optional
 from tandem.services.launcher.children import Child, check_listening, exit_text, log_tail, start_child
 
 # Restarts, shaped like Kubernetes' CrashLoopBackOff: the first waits
-# RESTART_BACKOFF_S, each next one in a row twice as long up to
+# --restart-backoff (default RESTART_BACKOFF_S), each next one in a row twice as long up to
 # RESTART_BACKOFF_MAX_S; a child up RESTART_RESET_S starts over at the first.
 RESTART_BACKOFF_S = 1.0
 RESTART_BACKOFF_MAX_S = 30.0
@@ -30,7 +30,7 @@ START_TRIES = 5
 class _Restarts:
     """The supervisor's view of one child's restarts."""
 
-    backoff_s: float = RESTART_BACKOFF_S  # the wait before the next restart
+    backoff_s: float  # the wait before the next restart (--restart-backoff at first)
     restart_at: Optional[float] = None  # set while the child is down, waiting for its restart
     started_at: float = 0.0
     failed_starts: int = 0  # exits before the listening line, in a row
