@@ -118,6 +118,7 @@ class EngineConfig:
     # Store transfer: bytes of the staging arena blocks pass through (shared
     # memory, pinned on CUDA): a step's saves and the loads under way.
     kv_staging_bytes: int = 1 << 30
+    kv_store_slots: str = "auto"  # store connector: when to copy blocks into the store's own slots
     # The grammar library of structured outputs (engine/grammar.py); only
     # xgrammar for now, so it is not a flag yet.
     structured_outputs_backend: str = "xgrammar"
@@ -186,7 +187,7 @@ def default_batch_limits(device: str, offline: bool) -> tuple[int, int]:
 
 # The settings of moving KV between engines: commands that run one engine
 # offline (generate, the benchmarks) leave their flags out.
-KV_TRANSFER_FIELDS = ("kv_transfer", "kv_store", "kv_hold_timeout", "kv_staging_gib")
+KV_TRANSFER_FIELDS = ("kv_transfer", "kv_store", "kv_hold_timeout", "kv_staging_gib", "kv_store_slots")
 
 
 class ConfigError(ValueError):
@@ -345,6 +346,12 @@ class EngineArgs:
         "from the store (a full prefill step's saves, loads under way). A step waits for room, so "
         "give room for two steps' saves on a GPU (2-4 GiB for Llama-3-8B at 8,192 tokens a step); "
         "it lives in /dev/shm (the Helm chart's sharedMemory.sizeLimit must hold it)", group=_KV)
+    kv_store_slots: Literal["auto", "on", "off"] = flag_field(
+        "auto", "with --kv-transfer store, where the store runs on this host (same /dev/shm): copy "
+        "each block between the cache and the store's own memory, which the store lends (one DMA "
+        "each way on a GPU), instead of through the staging arena and the store's copies. auto: on "
+        "a GPU; on: also on the CPU; off: never. A store elsewhere, on Redis or started with "
+        "--no-shared-slabs lends nothing, and the arena is used", group=_KV)
     kv_role: KVRole = internal_field(
         "both", why="set by the role: prefill saves and loads (both), decode loads (consumer)")
 
@@ -414,6 +421,7 @@ class EngineArgs:
             kv_role=self.kv_role,
             kv_hold_timeout_s=self.kv_hold_timeout,
             kv_staging_bytes=int(self.kv_staging_gib * (1 << 30)),
+            kv_store_slots=self.kv_store_slots,
             speculative=self._speculative(),
             tensor_parallel_size=self.tensor_parallel_size,
             peer_all_reduce=self.peer_all_reduce,

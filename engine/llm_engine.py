@@ -80,6 +80,8 @@ class EngineStats:
     recompute_fallbacks: int = 0
     kv_write_wait_seconds: float = 0.0  # decode: waiting for a prefill's store writes to land
     kv_write_wait_timeouts: int = 0
+    kv_save_blocks_lent: int = 0  # store connector: through the store's own slots, not the arena
+    kv_load_blocks_lent: int = 0
     # Where KV transfers spend their time (connector.base.KV_PHASES): seconds and runs per phase.
     kv_phase_seconds: dict[str, float] = field(default_factory=dict)
     kv_phase_counts: dict[str, int] = field(default_factory=dict)
@@ -211,7 +213,8 @@ class LLMEngine:
             if kv_store is None:
                 raise ValueError("kv_transfer 'store' needs a KV store: pass kv_store= (a "
                                  "tandem.services.kvstore.client.KVStoreClient, or any KVStore)")
-            return KVStoreConnector(role, layout, kv_store, staging_bytes=self.config.kv_staging_bytes)
+            return KVStoreConnector(role, layout, kv_store, staging_bytes=self.config.kv_staging_bytes,
+                                    slots_policy=self.config.kv_store_slots)
         if kind == "direct":
             from tandem.engine.connector.direct import DirectConnector
 
@@ -522,6 +525,8 @@ class LLMEngine:
             recompute_fallbacks=(cs.load_failures + cs.lookup_failures) if cs else 0,
             kv_write_wait_seconds=cs.write_wait_seconds if cs else 0.0,
             kv_write_wait_timeouts=cs.write_wait_timeouts if cs else 0,
+            kv_save_blocks_lent=cs.save_blocks_lent if cs else 0,
+            kv_load_blocks_lent=cs.load_blocks_lent if cs else 0,
             num_held_blocks=sched.num_held_blocks,
             spec_decode_num_drafts=ss.spec_num_drafts, spec_decode_num_draft_tokens=ss.spec_num_draft_tokens,
             spec_decode_num_accepted_tokens=ss.spec_num_accepted_tokens,

@@ -79,6 +79,42 @@ class KVStore(Protocol):
     def close(self) -> None: ...
 
 
+class SlotLease(Protocol):
+    """Slots of the store's memory lent for one call's keys (see StoreSlots):
+    views[i] is key i's slot (None: not lent). Ends with commit() (a
+    reservation: the filled slots become their keys' values, whole) or
+    release() (pins let go, uncommitted reservations dropped; never raises)."""
+
+    views: list[Optional[memoryview]]
+
+    @property
+    def num_lent(self) -> int: ...
+
+    def commit(self) -> int: ...
+
+    def release(self) -> None: ...
+
+
+class StoreSlots(Protocol):
+    """The store's own memory, lent to an engine on its host, so a block moves
+    between the engine's cache and the store with one copy (a DMA on a GPU)
+    and no staging arena. A KVStore may offer it: `lent_slots(pin_memory,
+    unpin_memory)` returns one (pin_memory page-locks each slab the engine
+    maps, for the GPU), or the store has no such method."""
+
+    def usable(self) -> bool:
+        """Whether lending works now (asked of the store now and then; never raises)."""
+
+    def set_aside(self, why: str) -> None:
+        """Stop using it for a while (e.g. a reserve found no slot to lend)."""
+
+    def reserve(self, keys: Sequence[str], length: int) -> SlotLease: ...
+
+    def pin(self, keys: Sequence[str], length: int) -> SlotLease: ...
+
+    def close(self) -> None: ...
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """A dtype as handles and block headers name it ("bfloat16")."""
     return str(dtype).removeprefix("torch.")
@@ -191,6 +227,9 @@ class ConnectorStats:
     lookup_failures: int = 0  # store lookups that failed: the prefix is computed locally
     write_wait_seconds: float = 0.0  # waiting for blocks a prefill was still writing
     write_wait_timeouts: int = 0  # ... that had not all landed in time
+    # Store connector: blocks saved into / loaded from the store's own slots (StoreSlots), no arena.
+    save_blocks_lent: int = 0
+    load_blocks_lent: int = 0
     # Where a transfer's time goes, by phase (see KV_PHASES): seconds and how
     # many times each phase ran. Connector threads observe them concurrently.
     phase_seconds: dict[str, float] = field(default_factory=dict)

@@ -12,6 +12,12 @@ written into their slots layer by layer as the model runs (after_layer) and
 put once the last layer is in; a load is read into slots on a background
 thread (prefetch) or inside the step, then copied into the cache in one go.
 
+On the store's host the store may lend its own memory instead (StoreSlots,
+--kv-store-slots): a step's saves are gathered on the cache's device, then
+each block is copied into a slot the store reserved and committed; a load
+pins the values' slots and copies them into the cache from there. On a GPU
+that is one DMA per block each way, with no host copy at all.
+
 A step does not wait for its puts: the prefill answers once its blocks are
 staged, and says in its output (kv_transfer_params[WRITE_KEY]) which blocks
 it is still writing. The decode's fetch waits until the store has those
@@ -29,7 +35,8 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
-from tandem.engine.connector.base import KVCacheLayout, KVConnector, KVStore
+from tandem.engine.connector.base import KVCacheLayout, KVConnector, KVStore, StoreSlots
+from tandem.engine.connector.serialization import HEADER_BYTES, BlockFormatError, block_header, check_block_header
 from tandem.engine.connector.staging import StagingArena
 from tandem.engine.connector.store_plan import Prefetched, StoreLoad, StoreMeta, StoreSave
 
@@ -60,6 +67,8 @@ WRITE_KEY = "kv_store_write"
 # what is there (a 2k-token Llama-3-8B prompt, 272 MiB, takes 30-300 ms to write).
 WRITE_WAIT_S = 2.0
 WRITE_POLL_S = (0.001, 0.008)  # first and longest pause between lookups while waiting
+# --kv-store-slots: when to use the store's own slots (auto: for a GPU cache, where they save two host copies).
+SLOTS_POLICIES = ("auto", "on", "off")
 
 
 def block_key(block_hash: bytes) -> str:
@@ -80,14 +89,58 @@ class _StepSave:
         self.staged_at, self.pieces = staged_at, pieces
 
 
+class _BlockBudget:
+    """Blocks in flight to the store's slots: a step's gathered saves hold
+    device memory until their copies are done, so they are bounded as the
+    arena bounds its own."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.used = capacity, 0
+        self._lock = threading.Condition()
+
+    def acquire(self, n: int, wait_s: float) -> bool:
+        if n > self.capacity:
+            return False
+        with self._lock:
+            if not self._lock.wait_for(lambda: self.used + n <= self.capacity, timeout=wait_s):
+                return False
+            self.used += n
+            return True
+
+    def release(self, n: int) -> None:
+        with self._lock:
+            self.used -= n
+            self._lock.notify_all()
+
+
+def _pin_for_cuda(view: memoryview) -> bool:
+    """Page-lock host memory for DMA (cudaHostRegister); False where CUDA refuses."""
+    holder = torch.frombuffer(view, dtype=torch.uint8)
+    return int(torch.cuda.cudart().cudaHostRegister(holder.data_ptr(), holder.numel(), 0)) == 0
+
+
+def _unpin_for_cuda(view: memoryview) -> None:
+    holder = torch.frombuffer(view, dtype=torch.uint8)
+    torch.cuda.cudart().cudaHostUnregister(holder.data_ptr())
+
+
 class KVStoreConnector(KVConnector):
-    def __init__(self, role: str, layout: KVCacheLayout, store: KVStore, staging_bytes: int = STAGING_BYTES) -> None:
+    def __init__(self, role: str, layout: KVCacheLayout, store: KVStore, staging_bytes: int = STAGING_BYTES,
+                 slots_policy: str = "auto") -> None:
         super().__init__(role, layout)
+        if slots_policy not in SLOTS_POLICIES:
+            raise ValueError(f"slots_policy must be one of {SLOTS_POLICIES}, got {slots_policy!r}")
         self.client = store
         self.block_size = layout.block_size
         slot = StagingArena.slot_size(layout)
         num_slots = max(1, min(STAGING_SLOTS, staging_bytes // slot))
         self.arena = StagingArena(store.open_arena(num_slots * slot), layout)
+        self.slots_policy = slots_policy
+        self.slots: Optional[StoreSlots] = None  # the store's own slots, once the cache is known (register_kv_cache)
+        self._lent_budget = _BlockBudget(num_slots)
+        self._value_bytes = HEADER_BYTES + layout.block_bytes
+        self._header = torch.frombuffer(bytearray(block_header(layout.dtype, self.arena.block_shape)),
+                                        dtype=torch.uint8)
         # Background fetches (decode and prefill alike): request id -> future of Prefetched.
         self._loader = ThreadPoolExecutor(max_workers=PREFETCH_THREADS, thread_name_prefix="kv-prefetch")
         self._prefetches: dict[str, Future] = {}
@@ -192,7 +245,12 @@ class KVStoreConnector(KVConnector):
             self.stats.write_wait_seconds += waited
 
     def _load(self, first: int, hashes: list[bytes], keep_free: int = 0, wait_s: float = 0.0) -> Prefetched:
-        """These blocks from the store into arena slots (every layer of each)."""
+        """These blocks from the store: pinned in its own slots where it lends
+        them, else read into arena slots (every layer of each)."""
+        if self._slots_usable():
+            lent = self._pin(first, hashes)
+            if lent is not None:
+                return lent
         started = time.monotonic()
         slot = self.arena.alloc(len(hashes), wait_s=wait_s, keep_free=keep_free)
         allocated = time.monotonic()
@@ -215,6 +273,39 @@ class KVStoreConnector(KVConnector):
             return Prefetched(first_block=first, failure="load")
         out.seconds = time.monotonic() - started
         return out
+
+    def _pin(self, first: int, hashes: list[bytes]) -> Optional[Prefetched]:
+        """Pin these blocks' values in the store's slots (None: some are not
+        lent, e.g. in private memory: the arena path loads them instead)."""
+        started = time.monotonic()
+        try:
+            lease = self.slots.pin([block_key(h) for h in hashes], self._value_bytes)
+        except Exception as exc:
+            log.warning("KV load failed, computing locally: %s", exc)
+            return Prefetched(first_block=first, failure="load")
+        if lease.num_lent < len(hashes):
+            lease.release()
+            return None
+        out = Prefetched(first_block=first, lease=lease, hashes=list(hashes))
+        try:
+            for view in lease.views:
+                check_block_header(view[:HEADER_BYTES], self.layout.dtype, self.arena.block_shape)
+        except BlockFormatError as exc:
+            out.release()
+            log.warning("KV load failed, computing locally: a block of another model, dtype or block size (%s)",
+                        exc)
+            return Prefetched(first_block=first, failure="load")
+        out.seconds = time.monotonic() - started
+        self.stats.observe("load_get", out.seconds)
+        return out
+
+    def _slots_usable(self) -> bool:
+        return self.slots is not None and self.slots.usable()
+
+    def _slot_block(self, view: memoryview) -> torch.Tensor:
+        """A lent slot's block data as [layers, 2, block_size, kv_heads, head_dim] over the slot."""
+        raw = torch.frombuffer(view, dtype=torch.uint8)[HEADER_BYTES:]
+        return raw.view(self.layout.dtype).view(self.arena.block_shape)
 
     def _prefetched(self, request, first: int) -> Optional[Prefetched]:
         """The finished prefetch of `request` when it covers block `first`."""
@@ -314,6 +405,13 @@ class KVStoreConnector(KVConnector):
         super().register_kv_cache(kv_cache, view)
         if kv_cache.is_cuda:
             self.arena.pin()
+        lend = self.slots_policy == "on" or (self.slots_policy == "auto" and kv_cache.is_cuda)
+        opener = getattr(self.client, "lent_slots", None)
+        if lend and opener is not None:
+            if kv_cache.is_cuda:
+                self.slots = opener(pin_memory=_pin_for_cuda, unpin_memory=_unpin_for_cuda)
+            else:
+                self.slots = opener(pin_memory=None, unpin_memory=None)
 
     def start_load(self, meta: StoreMeta) -> set[str]:
         failed: set[str] = set()
@@ -343,8 +441,21 @@ class KVStoreConnector(KVConnector):
         assert result.hashes[offset:offset + k] == load.block_hashes, "prefetch does not match the load"
         cache = self.cache_view  # whole blocks: [layers, 2, blocks, block_size, kv_heads, head_dim]
         ids = torch.tensor(load.block_ids, device=cache.device)
-        staged = self.arena.blocks[result.slot + offset:result.slot + offset + k]  # [k, layers, 2, ...]
         copied = None
+        if result.lease is not None:  # the store's own slots: one copy per block straight from them
+            sources = [self._slot_block(view) for view in result.lease.views[offset:offset + k]]
+            if cache.device.type == "cuda":
+                on_device = torch.empty((k, *self.arena.block_shape), dtype=cache.dtype, device=cache.device)
+                for i, source in enumerate(sources):
+                    on_device[i].copy_(source, non_blocking=True)  # pinned (the slab is page-locked): a DMA
+                cache.write_blocks(ids, on_device.permute(1, 2, 0, 3, 4, 5))
+                copied = torch.cuda.current_stream(cache.device).record_event()
+            else:
+                cache.write_blocks(ids, torch.stack(sources).permute(1, 2, 0, 3, 4, 5).to(cache.device))
+            self._count_load(result, k, started)
+            self.stats.load_blocks_lent += k
+            return copied
+        staged = self.arena.blocks[result.slot + offset:result.slot + offset + k]  # [k, layers, 2, ...]
         if self.arena.pinned:
             # One DMA per block (each slot's data is contiguous; a run is not,
             # headers sit between), then one scatter on the device, in stream
@@ -357,11 +468,14 @@ class KVStoreConnector(KVConnector):
             copied = torch.cuda.current_stream(cache.device).record_event()
         else:
             cache.write_blocks(ids, staged.permute(1, 2, 0, 3, 4, 5).to(cache.device, non_blocking=True))
+        self._count_load(result, k, started)
+        return copied
+
+    def _count_load(self, result: Prefetched, k: int, started: float) -> None:
         self.stats.load_blocks += k
         self.stats.load_bytes += k * self.layout.block_bytes
         self.stats.load_seconds += result.seconds * k / result.num_blocks
         self.stats.observe("load_copy_in", time.monotonic() - started)
-        return copied
 
     def save_layer(self, layer: int, meta: StoreMeta) -> None:
         if not meta.saves:
@@ -369,25 +483,10 @@ class KVStoreConnector(KVConnector):
         started = time.monotonic()
         if layer == 0:
             self._save_started = started
-            n = sum(len(s.block_ids) for s in meta.saves)
-            slot = self.arena.alloc(n, wait_s=SAVE_SLOT_WAIT_S)
-            allocated = time.monotonic()
-            self.stats.observe("save_slot_wait", allocated - started)
-            started = allocated
-            if slot is None:
-                # The decode computes what is not stored: slower, never wrong.
-                log.warning("KV staging arena has no room for %d blocks: this step's saves are dropped", n)
-                self.stats.save_failures += 1
-                for save in meta.saves:  # nothing of theirs is landing: a decode must not wait for it
-                    self._written.pop(save.request_id, None)
+            if not self._start_saves(meta):
                 return
-            meta.save_slot, meta.num_save_blocks = slot, n
-            meta.save_block_ids = torch.tensor(meta.saved_block_ids(), device=self.cache_view.device)
-            self.arena.write_headers(slot, n)
-            if self.arena.pinned:
-                meta.save_on_device = torch.empty((n, *self.arena.block_shape), dtype=self.cache_view.dtype,
-                                                  device=self.cache_view.device)
-        if meta.save_slot < 0:
+            started = time.monotonic()
+        if meta.save_slot < 0 and not meta.lent_saves:
             return
         # [n, 2, block_size, heads, dim]
         layer_kv = self.cache_view.layer_blocks(layer, meta.save_block_ids).transpose(0, 1)
@@ -396,15 +495,115 @@ class KVStoreConnector(KVConnector):
         else:
             self.arena.blocks[meta.save_slot:meta.save_slot + meta.num_save_blocks, layer].copy_(layer_kv)
         if layer == self.layout.num_layers - 1:
-            copied = self._copy_to_arena(meta) if meta.save_on_device is not None else None
             keys = [block_key(h) for s in meta.saves for h in s.block_hashes]
             step = _StepSave(staged_at=self._save_started, pieces=-(-len(keys) // PUT_CHUNK_BLOCKS))
-            for i in range(0, len(keys), PUT_CHUNK_BLOCKS):
-                self._saves.append(self._saver.submit(
-                    self._put, keys[i:i + PUT_CHUNK_BLOCKS], meta.save_slot + i, step, copied))
+            if meta.lent_saves:
+                self._submit_lent_saves(meta, keys, step)
+            else:
+                copied = self._copy_to_arena(meta) if meta.save_on_device is not None else None
+                for i in range(0, len(keys), PUT_CHUNK_BLOCKS):
+                    self._saves.append(self._saver.submit(
+                        self._put, keys[i:i + PUT_CHUNK_BLOCKS], meta.save_slot + i, step, copied))
         meta.stage_seconds += time.monotonic() - started
         if layer == self.layout.num_layers - 1:
             self.stats.observe("save_stage", meta.stage_seconds)
+
+    def _start_saves(self, meta: StoreMeta) -> bool:
+        """Layer 0 of a step with saves: room for them, in the store's own
+        slots (gathered on the cache's device first) or in the arena.
+        False: no room within SAVE_SLOT_WAIT_S, and this step's saves are dropped."""
+        started = time.monotonic()
+        n = sum(len(s.block_ids) for s in meta.saves)
+        device = self.cache_view.device
+        if self._slots_usable():
+            meta.lent_saves = self._lent_budget.acquire(n, wait_s=SAVE_SLOT_WAIT_S)
+            ok = meta.lent_saves
+        else:
+            slot = self.arena.alloc(n, wait_s=SAVE_SLOT_WAIT_S)
+            ok = slot is not None
+            if ok:
+                meta.save_slot = slot
+                self.arena.write_headers(slot, n)
+        self.stats.observe("save_slot_wait", time.monotonic() - started)
+        if not ok:
+            # The decode computes what is not stored: slower, never wrong.
+            log.warning("KV staging has no room for %d blocks: this step's saves are dropped", n)
+            self.stats.save_failures += 1
+            for save in meta.saves:  # nothing of theirs is landing: a decode must not wait for it
+                self._written.pop(save.request_id, None)
+            return False
+        meta.num_save_blocks = n
+        meta.save_block_ids = torch.tensor(meta.saved_block_ids(), device=device)
+        if meta.lent_saves or self.arena.pinned:
+            meta.save_on_device = torch.empty((n, *self.arena.block_shape), dtype=self.cache_view.dtype,
+                                              device=device)
+        return True
+
+    def _submit_lent_saves(self, meta: StoreMeta, keys: list[str], step: "_StepSave") -> None:
+        """The step's gathered blocks go to the saver threads in pieces, each
+        into slots the store reserves; on a GPU the copies wait for the
+        gather on a stream of their own."""
+        gathered, meta.save_on_device = meta.save_on_device, None
+        ready = None
+        if gathered.is_cuda:
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(gathered.device)
+            ready = torch.cuda.current_stream(gathered.device).record_event()
+        for i in range(0, len(keys), PUT_CHUNK_BLOCKS):
+            self._saves.append(self._saver.submit(
+                self._put_lent, keys[i:i + PUT_CHUNK_BLOCKS], gathered[i:i + PUT_CHUNK_BLOCKS], step, ready))
+
+    def _put_lent(self, keys: list[str], blocks: torch.Tensor, step: "_StepSave",
+                  ready: Optional["torch.cuda.Event"]) -> None:
+        """Store one piece of a step's gathered blocks in slots the store lends
+        (on a saver thread): reserve, copy each block in (one DMA on a GPU,
+        once `ready` has passed), commit. A block the store had no slot to
+        lend for is not stored (its decode computes it), and the arena is
+        used for a while instead."""
+        stored = 0
+        try:
+            started = time.monotonic()
+            lease = self.slots.reserve(keys, self._value_bytes)
+            reserved = time.monotonic()
+            try:
+                if lease.num_lent < len(keys):
+                    self.slots.set_aside(f"the store had no slot to lend for {len(keys) - lease.num_lent} of "
+                                         f"{len(keys)} blocks (its /dev/shm is full?)")
+                self._fill_slots(blocks, lease.views, ready)
+                copied = time.monotonic()
+                self.stats.observe("save_copy", copied - reserved)
+                stored = lease.commit()
+                with self._stats_lock:
+                    self.stats.save_blocks_lent += stored
+            except BaseException:
+                lease.release()
+                raise
+            self.stats.observe("save_put", (reserved - started) + (time.monotonic() - copied))
+        except Exception as exc:  # the decode side will recompute; never fail the request
+            log.warning("KV save failed: %s", exc)
+            with self._stats_lock:
+                self.stats.save_failures += 1
+        finally:
+            del blocks
+            self._lent_budget.release(len(keys))
+        self._count_saved(stored, step)
+
+    def _fill_slots(self, blocks: torch.Tensor, views: list, ready: Optional["torch.cuda.Event"]) -> None:
+        """blocks[i] (and its header) into slot views[i], where lent; returns once copied."""
+        targets = [(i, torch.frombuffer(view, dtype=torch.uint8)) for i, view in enumerate(views) if view is not None]
+        for _, slot in targets:
+            slot[:HEADER_BYTES] = self._header
+        if ready is None:
+            for i, slot in targets:
+                slot[HEADER_BYTES:].view(blocks.dtype).view(blocks.shape[1:]).copy_(blocks[i])
+            return
+        with torch.cuda.stream(self._copy_stream):
+            self._copy_stream.wait_event(ready)
+            for i, slot in targets:  # one DMA per block: the slab is page-locked
+                slot[HEADER_BYTES:].view(blocks.dtype).view(blocks.shape[1:]).copy_(blocks[i], non_blocking=True)
+            blocks.record_stream(self._copy_stream)
+            done = self._copy_stream.record_event()
+        done.synchronize()  # waits without the GIL
 
     def _copy_to_arena(self, meta: StoreMeta) -> "torch.cuda.Event":
         """Queue the step's gathered blocks' copies into their pinned slots on a
@@ -443,6 +642,9 @@ class KVStoreConnector(KVConnector):
                 self.stats.save_failures += 1
         finally:
             self.arena.free(slot, len(keys))
+        self._count_saved(stored, step)
+
+    def _count_saved(self, stored: int, step: "_StepSave") -> None:
         with self._stats_lock:
             self.stats.save_blocks += stored
             self.stats.save_bytes += stored * self.layout.block_bytes
@@ -459,4 +661,6 @@ class KVStoreConnector(KVConnector):
         self._releaser.shutdown(wait=True)
         self._loader.shutdown(wait=True, cancel_futures=True)
         self._saver.shutdown(wait=True)
+        if self.slots is not None:
+            self.slots.close()
         self.client.close()

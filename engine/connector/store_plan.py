@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from tandem.engine.connector.base import ConnectorMeta
+from tandem.engine.connector.base import ConnectorMeta, SlotLease
 from tandem.engine.connector.staging import StagingArena
 
 
@@ -16,13 +16,15 @@ from tandem.engine.connector.staging import StagingArena
 class Prefetched:
     """What a background fetch found for one request: the leading run of its
     blocks the store held, from block index `first_block` on, in arena slots
-    from `slot` on. `failure` names the step that failed (lookup or load), if
-    one did; it is counted once, on the engine thread, when the scheduler reads
-    the result. Its slots go back with release()."""
+    from `slot` on, or in the store's own slots pinned by `lease`. `failure`
+    names the step that failed (lookup or load), if one did; it is counted
+    once, on the engine thread, when the scheduler reads the result. Its
+    slots go back with release()."""
 
     first_block: int
     arena: Optional[StagingArena] = None
     slot: int = 0
+    lease: Optional[SlotLease] = None
     hashes: list[bytes] = field(default_factory=list)
     seconds: float = 0.0
     failure: Optional[str] = None
@@ -34,8 +36,12 @@ class Prefetched:
         return len(self.hashes)
 
     def release(self) -> None:
-        if self.arena is not None and not self._released and self.hashes:
-            self._released = True
+        if self._released or not self.hashes:
+            return
+        self._released = True
+        if self.lease is not None:
+            self.lease.release()
+        elif self.arena is not None:
             self.arena.free(self.slot, len(self.hashes))
 
 
@@ -68,7 +74,9 @@ class StoreMeta(ConnectorMeta):
     save_slot: int = -1
     num_save_blocks: int = 0
     save_block_ids: Optional[torch.Tensor] = None
-    # A pinned arena (CUDA): the saves' layers gathered on the device first,
-    # [n, layers, 2, block_size, kv_heads, head_dim], then one DMA per block.
+    # The saves' layers gathered first, [n, layers, 2, block_size, kv_heads, head_dim],
+    # on the cache's device, then one copy per block: into a pinned arena (CUDA), or
+    # into the store's own slots (lent_saves).
     save_on_device: Optional[torch.Tensor] = None
+    lent_saves: bool = False  # the saves go into slots the store lends, not the arena
     stage_seconds: float = 0.0  # the engine thread's time in save_layer this step

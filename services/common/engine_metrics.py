@@ -41,6 +41,8 @@ class EngineMetrics:
         "recompute_fallbacks": ("KV_RECOMPUTE_FALLBACKS", {}),
         "kv_write_wait_seconds": ("KV_STORE_WRITE_WAIT_SECONDS", {}),
         "kv_write_wait_timeouts": ("KV_STORE_WRITE_WAIT_TIMEOUTS", {}),
+        "kv_save_blocks_lent": ("KV_STORE_LENT_BLOCKS", {"direction": "save"}),
+        "kv_load_blocks_lent": ("KV_STORE_LENT_BLOCKS", {"direction": "load"}),
         "kv_swapped_out_blocks": ("KV_SWAPPED_OUT_BLOCKS", {}),
         "kv_swapped_in_blocks": ("KV_SWAPPED_IN_BLOCKS", {}),
         "kv_host_offloaded_blocks": ("KV_HOST_OFFLOADED_BLOCKS", {}),

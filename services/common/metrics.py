@@ -158,6 +158,10 @@ KV_STORE_WRITE_WAIT_TIMEOUTS = Counter(
     "tandem:kv_store_write_wait_timeouts",
     "Requests that stopped waiting for their prefill's kvstore writes (what had not landed is recomputed).",
     ENGINE)
+KV_STORE_LENT_BLOCKS = Counter(
+    "tandem:kv_store_lent_blocks",
+    "KV blocks copied straight between the cache and the kvstore's own memory (lent slots, same host), "
+    "by direction; the rest of kv_transfer_blocks went through the staging arena.", ENGINE + ("direction",))
 
 # --- router ------------------------------------------------------------------
 ROUTER_REQUESTS = Counter(

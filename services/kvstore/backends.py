@@ -16,7 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterator, Optional, Protocol, Sequence
 
-from tandem.services.kvstore.value_slabs import AHEAD_BYTES, SLAB_BYTES, ValueSlabs
+from tandem.services.kvstore.value_slabs import AHEAD_BYTES, SLAB_BYTES, SlotPlace, ValueSlabs
 from tandem.services.kvstore.redis_wire import BulkReplyReader, BulkValuePacker, ReplyError
 from tandem.services.kvstore.redis_wire import ProtocolError as WireError
 
@@ -69,7 +69,9 @@ class MemoryBackend:
     name = "memory"
     keeps_values = True  # the data channel receives into take_buffer()'s buffers, and they are kept
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, shared_slabs: bool = False) -> None:
+        """shared_slabs: values live in /dev/shm segments that engines on this
+        host may map, so blocks can be lent (value_slabs.py)."""
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
@@ -81,7 +83,7 @@ class MemoryBackend:
         # and slabs are cut into slots of one size, leaving a remainder).
         slab = min(SLAB_BYTES, max(capacity_bytes // 16, 1 << 20))
         self._slabs = ValueSlabs(max_bytes=capacity_bytes + 4 * slab, slab_bytes=slab,
-                                 ahead_bytes=min(AHEAD_BYTES, capacity_bytes // 8))
+                                 ahead_bytes=min(AHEAD_BYTES, capacity_bytes // 8), shared=shared_slabs)
         # Slots of values dropped while a reader still had them: back to the
         # slabs once it lets go (looked at by take_buffer).
         self._pending: list[memoryview] = []
@@ -125,6 +127,54 @@ class MemoryBackend:
         if self._pending:
             self._reclaim()
         return self._slabs.take(size)
+
+    # ---- lending slots to engines on this host (data_wire's RESERVE/COMMIT, PIN/RELEASE) ----
+    @property
+    def lends_slots(self) -> bool:
+        return self._slabs.shared
+
+    @property
+    def slab_token(self) -> bytes:
+        return self._slabs.token
+
+    def shared_slabs(self) -> list[tuple[int, str, int]]:
+        return self._slabs.shared_slabs()
+
+    def reserve_slot(self, size: int) -> Optional[tuple[memoryview, SlotPlace]]:
+        """A free slot in a shared slab for a value of `size` (None: none to
+        lend); it becomes a value with put(), or goes back with unreserve()."""
+        if size <= 0 or size > self.capacity_bytes:
+            return None
+        if self._pending:
+            self._reclaim()
+        slot = self._slabs.take(size, slot=True)
+        place = self._slabs.place(slot)
+        if place is None:
+            self._slabs.give(slot)
+            return None
+        return slot, place
+
+    def unreserve(self, slot: memoryview) -> None:
+        """A reserved slot that never became a value."""
+        self._slabs.give(slot)
+
+    def pin(self, keys: Sequence[str], length: int) -> list[Optional[tuple[memoryview, SlotPlace]]]:
+        """Each key's value and where it lies, when it is `length` bytes in a
+        shared slab (None otherwise). The caller's reference keeps the slot
+        from reuse (_keep_spare) until it drops it. Counts as a get."""
+        out: list[Optional[tuple[memoryview, SlotPlace]]] = []
+        with self._lock:
+            for key in keys:
+                value = self._values.get(key)
+                place = self._slabs.place(value) if value is not None and len(value) == length else None
+                if place is None:
+                    self._misses += 1
+                    out.append(None)
+                    continue
+                self._values.move_to_end(key)
+                self._hits += 1
+                out.append((value, place))
+        return out
 
     def _keep_spare(self, value) -> None:
         # A slot is reused only when nothing else refers to it: a GET still
@@ -400,10 +450,10 @@ class RedisBackend:
         self._client.close()
 
 
-def open_backend(spec: str, capacity_bytes: int) -> Backend:
-    """`memory` or a `redis://` / `rediss://` / `unix://` URL."""
+def open_backend(spec: str, capacity_bytes: int, shared_slabs: bool = False) -> Backend:
+    """`memory` or a `redis://` / `rediss://` / `unix://` URL (shared_slabs: see MemoryBackend)."""
     if spec == "memory":
-        return MemoryBackend(capacity_bytes)
+        return MemoryBackend(capacity_bytes, shared_slabs=shared_slabs)
     if spec.startswith(("redis://", "rediss://", "unix://")):
         return RedisBackend(spec)
     raise ValueError(f"unknown backend {spec!r}: use 'memory' or a URL such as redis://127.0.0.1:6379/0")

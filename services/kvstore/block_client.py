@@ -44,6 +44,7 @@ class BlockStoreClient:
         self.target = target
         self.timeout_s = timeout_s
         self.control = KVStoreClient(target, timeout_s=timeout_s, tls=tls)
+        self.tls = tls
         self._host = target.rpartition(":")[0].strip("[]")
         self._ssl = _client_ssl_context(tls)
         self._idle: queue.LifoQueue[socket.socket] = queue.LifoQueue()
@@ -138,6 +139,12 @@ class BlockStoreClient:
                 self.arena[offset:offset + length] = value
             found.append(ok)
         return found
+
+    def lent_slots(self, pin_memory=None, unpin_memory=None):
+        """The store's own slots, where it lends them (engine.connector.base.StoreSlots)."""
+        from tandem.services.kvstore.lent_slots import LentSlots
+
+        return LentSlots(self.target, self.timeout_s, self.tls, pin_memory=pin_memory, unpin_memory=unpin_memory)
 
     def close(self) -> None:
         for idle in (self._idle, self._lookup_idle):

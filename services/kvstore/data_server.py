@@ -10,6 +10,11 @@ A connection that attached its client's shared-memory arena (ATTACH) moves
 values by copying them between the arena and those same buffers instead,
 one memmove each without the GIL (shared_arena.AttachedArena). The
 connections of one arena share one mapping of it.
+
+A memory backend with shared slabs also lends its slots to engines on its
+host (RESERVE/COMMIT to write a value in place, PIN/RELEASE to read one):
+the store then moves no bytes at all. A connection's reservations and pins
+are its own and end with it.
 """
 from __future__ import annotations
 
@@ -59,6 +64,10 @@ class _Handler(socketserver.BaseRequestHandler):
         # them (Redis has its own copy once put returns): size -> free buffers.
         self._spare: dict[int, list[bytearray]] = {}
         self._arena: Optional[AttachedArena] = None  # the client's, once it attached it
+        # Slots lent over this connection: reserved (key -> slot, not yet a value)
+        # and pinned (key -> the values' slots: a key may be pinned more than once).
+        self._reserved: dict[str, memoryview] = {}
+        self._pinned: dict[str, list[memoryview]] = {}
         tune(self.request)
         if self.server.ssl_context is not None:
             self.request = self.server.ssl_context.wrap_socket(self.request, server_side=True)
@@ -85,8 +94,19 @@ class _Handler(socketserver.BaseRequestHandler):
                     self._attach(sock, keys)
                 elif op == wire.OP_PUT_SHARED:
                     self._put_shared(sock, keys, wire.read_spans(sock, len(keys)))
-                else:
+                elif op == wire.OP_GET_SHARED:
                     self._get_shared(sock, keys, wire.read_spans(sock, len(keys)))
+                elif op == wire.OP_SLABS:
+                    self._slabs(sock)
+                elif op == wire.OP_RESERVE:
+                    self._reserve(sock, keys, wire.read_lengths(sock, len(keys)))
+                elif op == wire.OP_COMMIT:
+                    self._commit(sock, keys)
+                elif op == wire.OP_PIN:
+                    self._pin(sock, keys, wire.read_lengths(sock, len(keys)))
+                else:
+                    self._release(keys)
+                    sock.sendall(wire.OK)
             except (OSError, ssl.SSLError, wire.ProtocolError) as exc:
                 log.info("data channel: connection from %s ended during %s: %s", self.client_address,
                          wire.OPS[op], exc)
@@ -96,6 +116,100 @@ class _Handler(socketserver.BaseRequestHandler):
         if self._arena is not None:
             self.server.arenas.detach(self._arena)
             self._arena = None
+        for slot in self._reserved.values():
+            self.server.backend.unreserve(slot)
+        self._reserved.clear()
+        self._pinned.clear()
+
+    # ---- the store's slots lent to the client (same host) -------------------------------
+    def _lender(self, sock: socket.socket):
+        """The backend, when it lends slots; otherwise says why not (None)."""
+        backend = self.server.backend
+        if not getattr(backend, "lends_slots", False):
+            wire.send_failed(sock, "this KV store lends no slots (its values are not in shared memory: "
+                                   "a Redis backend, or a memory store started with --no-shared-slabs)")
+            return None
+        return backend
+
+    def _slabs(self, sock: socket.socket) -> None:
+        backend = self._lender(sock)
+        if backend is None:
+            return
+        slabs = backend.shared_slabs()
+        parts = [wire.OK, backend.slab_token, wire.COUNT.pack(len(slabs))]
+        for index, name, size in slabs:
+            raw = name.encode()
+            parts.append(wire.SLAB.pack(index, size, len(raw)) + raw)
+        sock.sendall(b"".join(parts))
+
+    def _reserve(self, sock: socket.socket, keys: list[str], lengths: list[int]) -> None:
+        backend = self._lender(sock)
+        if backend is None:
+            return
+        places = []
+        for key, length in zip(keys, lengths):
+            if key in self._reserved:  # reserved again: the earlier slot goes back
+                backend.unreserve(self._reserved.pop(key))
+            lent = backend.reserve_slot(length)
+            if lent is None:
+                places.append((-1, 0))
+                continue
+            self._reserved[key] = lent[0]
+            places.append((lent[1].slab, lent[1].offset))
+        sock.sendall(wire.OK + wire.encode_places(places))
+
+    def _commit(self, sock: socket.socket, keys: list[str]) -> None:
+        """The reserved slots of `keys` become their values (the client has filled them)."""
+        if self.server.put_delay_s:
+            time.sleep(self.server.put_delay_s)
+        items = [(key, self._reserved.pop(key)) for key in keys if key in self._reserved]
+        stored = 0
+        if items:
+            try:
+                results = self.server.backend.put(items)
+            except BackendUnavailable as exc:  # not for a memory backend; kept for the protocol's sake
+                wire.send_failed(sock, str(exc))
+                return
+            stored = sum(results)
+            for (_, slot), ok in zip(items, results):
+                if not ok:
+                    self.server.backend.unreserve(slot)
+            metrics = self.server.metrics
+            if metrics is not None:
+                nbytes = sum(len(slot) for (_, slot), ok in zip(items, results) if ok)
+                metrics.on_put(stored, nbytes)
+                metrics.on_shared(nbytes)
+        sock.sendall(wire.OK + wire.PUT_REPLY.pack(stored, len(keys) - stored))
+
+    def _pin(self, sock: socket.socket, keys: list[str], lengths: list[int]) -> None:
+        backend = self._lender(sock)
+        if backend is None:
+            return
+        places, nbytes = [], 0
+        for key, length in zip(keys, lengths):
+            (lent,) = backend.pin([key], length)
+            if lent is None:
+                places.append((-1, 0))
+                continue
+            self._pinned.setdefault(key, []).append(lent[0])
+            places.append((lent[1].slab, lent[1].offset))
+            nbytes += length
+        hits = sum(1 for slab, _ in places if slab >= 0)
+        if self.server.metrics is not None:
+            self.server.metrics.on_get(hits, len(keys) - hits, nbytes)
+            self.server.metrics.on_shared(nbytes)
+        sock.sendall(wire.OK + wire.encode_places(places))
+
+    def _release(self, keys: list[str]) -> None:
+        for key in keys:
+            slot = self._reserved.pop(key, None)
+            if slot is not None:
+                self.server.backend.unreserve(slot)
+            pinned = self._pinned.get(key)
+            if pinned:
+                pinned.pop()  # the value's slot may be reused once no other pin or value holds it
+                if not pinned:
+                    del self._pinned[key]
 
     # ---- values in the client's shared memory ----------------------------------------
     def _attach(self, sock: socket.socket, keys: list[str]) -> None:

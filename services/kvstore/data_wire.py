@@ -23,6 +23,22 @@ values skip the socket:
   GET_SHARED  after the keys, per key a SPAN -> one byte per key (1: copied
               into its span, 0: missing or of another length).
 A connection's attachment lasts as long as the connection.
+
+Where the engine can map the store's own slabs (value_slabs.py, shared=True;
+same host and /dev/shm), a block moves between its GPU and a slot of the
+store with no copy in between (lent_slots.py is the client):
+  SLABS    no keys -> the store's token (16 bytes), a u32 count, then per
+           slab a u32 index, u64 size and u16-length name;
+  RESERVE  after the keys, per key a u64 length -> per key a PLACE (i32 slab,
+           -1: none to lend, then u64 offset): a slot the client fills,
+           invisible to every reader until committed;
+  COMMIT   keys this connection reserved -> as PUT: each becomes that key's
+           value, whole;
+  PIN      after the keys, per key a u64 length -> per key a PLACE (-1:
+           missing, another length, or not in a shared slab): the slot's
+           value stays there, unchanged, while pinned (counts as a get);
+  RELEASE  keys -> OK: this connection's reservations and pins of them end.
+A connection's reservations and pins end with it.
 FAILED (1), an error the store can name (its backend unreachable), is
 followed by a u32 length and a UTF-8 message; the connection stays usable.
 """
@@ -34,8 +50,10 @@ from typing import Sequence
 
 MAGIC = b"TKVD"
 OP_PUT, OP_GET, OP_EXISTS, OP_ATTACH, OP_PUT_SHARED, OP_GET_SHARED = 1, 2, 3, 4, 5, 6
+OP_SLABS, OP_RESERVE, OP_COMMIT, OP_PIN, OP_RELEASE = 7, 8, 9, 10, 11
 OPS = {OP_PUT: "put", OP_GET: "get", OP_EXISTS: "exists", OP_ATTACH: "attach",
-       OP_PUT_SHARED: "put (shared memory)", OP_GET_SHARED: "get (shared memory)"}
+       OP_PUT_SHARED: "put (shared memory)", OP_GET_SHARED: "get (shared memory)",
+       OP_SLABS: "slabs", OP_RESERVE: "reserve", OP_COMMIT: "commit", OP_PIN: "pin", OP_RELEASE: "release"}
 REQUEST = struct.Struct("<4sBI")  # magic, op, number of keys
 OK, FAILED = b"\x00", b"\x01"
 MESSAGE_LEN = struct.Struct("<I")
@@ -44,6 +62,9 @@ VALUE_LEN = struct.Struct("<Q")
 FOUND_LEN = struct.Struct("<q")
 PUT_REPLY = struct.Struct("<II")
 SPAN = struct.Struct("<QQ")  # offset, length in the client's arena
+PLACE = struct.Struct("<iQ")  # a store slot: slab index (-1: none), offset in the slab
+SLAB = struct.Struct("<IQH")  # slab index, bytes, name length
+COUNT = struct.Struct("<I")
 MAX_KEYS = 1 << 16  # per call: a request larger than this is refused as malformed
 MAX_KEY_BYTES = 1024
 
@@ -111,6 +132,24 @@ def encode_spans(items: Sequence[tuple[str, int, int]]) -> bytes:
 def read_spans(sock: socket.socket, count: int) -> list[tuple[int, int]]:
     raw = recv_exactly(sock, SPAN.size * count)
     return [SPAN.unpack_from(raw, i * SPAN.size) for i in range(count)]
+
+
+def encode_lengths(lengths: Sequence[int]) -> bytes:
+    return b"".join(VALUE_LEN.pack(n) for n in lengths)
+
+
+def read_lengths(sock: socket.socket, count: int) -> list[int]:
+    raw = recv_exactly(sock, VALUE_LEN.size * count)
+    return [VALUE_LEN.unpack_from(raw, i * VALUE_LEN.size)[0] for i in range(count)]
+
+
+def encode_places(places: Sequence[tuple[int, int]]) -> bytes:
+    return b"".join(PLACE.pack(slab, offset) for slab, offset in places)
+
+
+def read_places(sock: socket.socket, count: int) -> list[tuple[int, int]]:
+    raw = recv_exactly(sock, PLACE.size * count)
+    return [PLACE.unpack_from(raw, i * PLACE.size) for i in range(count)]
 
 
 def send_failed(sock: socket.socket, message: str) -> None:

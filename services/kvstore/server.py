@@ -27,6 +27,7 @@ from tandem.services.common.grpc_server import (RunningServer, add_tls_arguments
                                                 start_grpc_server, tls_from_args)
 from tandem.services.kvstore.backends import Backend, BackendStats, BackendUnavailable, open_backend
 from tandem.services.kvstore.client import split_chunks
+from tandem.services.kvstore.value_slabs import sweep_dead_slabs
 from tandem.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -267,6 +268,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                   "evicted; accepts units, e.g. 512MiB, 2GiB, 1GB")
     parser.add_argument("--capacity", dest="capacity_bytes", type=parse_size, default=argparse.SUPPRESS,
                         help="same as --capacity-bytes")
+    add_flag(parser, "--no-shared-slabs", type=bool, default=False,
+             help="memory backend: keep values in private memory instead of /dev/shm segments. By "
+                  "default engines on this host (same /dev/shm) map the store's slabs and copy blocks "
+                  "between their GPU and the store's slots directly, one DMA each way; without room in "
+                  "/dev/shm the store falls back to private memory by itself")
     add_flag(parser, "--metrics-port", type=int, default=0,
              help="HTTP port of this service's Prometheus /metrics; 0 turns it off")
     add_flag(parser, "--shutdown-timeout", type=float, default=5.0,
@@ -276,7 +282,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _open_backend_or_exit(args: argparse.Namespace) -> Backend:
     try:
-        return open_backend(args.backend, args.capacity_bytes)
+        return open_backend(args.backend, args.capacity_bytes, shared_slabs=not args.no_shared_slabs)
     except ValueError as exc:
         raise SystemExit(f"error: --backend: {exc}")
 
@@ -291,6 +297,9 @@ STORE_SWITCH_INTERVAL_S = 0.001
 def serve(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM, then stop gracefully (in-flight calls get --shutdown-timeout)."""
     sys.setswitchinterval(STORE_SWITCH_INTERVAL_S)
+    swept = sweep_dead_slabs()
+    if swept:
+        log.info("removed %d shared slabs of KV stores that no longer run from /dev/shm", swept)
     backend = _open_backend_or_exit(args)
     try:
         backend.stats()

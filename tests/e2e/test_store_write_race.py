@@ -2,7 +2,10 @@
 and the decode that asks too early waits for them instead of reading half a
 block or recomputing: a real stack whose KV store delays every put
 (TANDEM_KVSTORE_PUT_DELAY_S, a fault hook), with the router carrying the
-prefill's KVStoreWrite to the decode."""
+prefill's KVStoreWrite to the decode. Both ways blocks reach the store: through
+the engines' staging arenas, and straight into the store's own slots
+(--kv-store-slots on), where the delay holds the commit that makes them
+visible."""
 from __future__ import annotations
 
 import random
@@ -20,11 +23,13 @@ PUT_DELAY_S = 1.5
 POLL_S = 1.5  # engine metrics are polled every 0.5 s
 
 
-@pytest.fixture(scope="module")
-def stack():
-    options = StackOptions(prefill=1, decode=1, private=True, extra_args=("--num-blocks", "300"),
+@pytest.fixture(scope="module", params=["off", "on"], ids=["arena", "lent-slots"])
+def stack(request):
+    options = StackOptions(prefill=1, decode=1, private=True,
+                           extra_args=("--num-blocks", "300", "--kv-store-slots", request.param),
                            env=(("TANDEM_FAULT_HOOKS", "1"), ("TANDEM_KVSTORE_PUT_DELAY_S", str(PUT_DELAY_S))))
     stack = TandemStack(options)
+    stack.lends_slots = request.param == "on"
     try:
         stack.start()
         yield stack
@@ -53,5 +58,8 @@ def test_a_decode_waits_for_the_blocks_its_prefill_is_still_writing(stack):
     assert stack.metric("decode-0", "tandem:prompt_tokens_by_source_total",
                         source="external_kv_transfer") == 6 * BLOCK
     assert stack.metric("decode-0", "tandem:prompt_tokens_by_source_total", source="local_compute") == 5
+    lent = 6 if stack.lends_slots else 0  # every full block, or none
+    assert stack.metric("prefill-0", "tandem:kv_store_lent_blocks_total", direction="save") == lent
+    assert stack.metric("decode-0", "tandem:kv_store_lent_blocks_total", direction="load") == lent
     # The same prompt again: the decode's own prefix cache answers; the text is the same.
     assert completion(stack, prompt) == text
