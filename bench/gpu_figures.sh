@@ -50,6 +50,13 @@ for what in "${@:-tests latency throughput}"; do
         timeout 90 python -m tandem.bench.latency --preset llama-3-8b --batch-sizes 1,64 --context 512 \
           --steps 20 --tensor-parallel-size $run --output-json "$OUT/latency_llama3_8b_tp$1${2:+_peer}.json"
       done ;;
+    kv)  # the store connector on the GPU, both ways (arena, lent slots), then `tandem bench kv`'s
+      # GPU paths: blocks from GPU memory into the store and back, through the pinned arena and
+      # the store's copies, or straight into and out of the store's lent slots.
+      df -h /dev/shm | tail -1
+      timeout 120 python -m pytest -q -rxXs -p no:cacheprovider tests/gpu/test_kv_store_gpu.py 2>&1 | tail -5
+      timeout 180 python -m tandem.bench.kv --device cuda --size-mib 256 --repeats 3 --backends memory \
+        --busy 0,1 --output-json "$OUT/kv_cuda.json" 2>&1 | tail -9 ;;
     throughput)
       python -m tandem.bench.throughput --preset qwen3-0.6b --dataset sharegpt --num-prompts 1000 \
         --hf-batch-size 128 --output-json "$OUT/throughput_qwen3_0.6b.json" ;;

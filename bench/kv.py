@@ -4,6 +4,10 @@ store, against the ceilings measured in the same run.
 Every path moves the same bytes: --size-mib of blocks of --block-kib each
 (the default, 2 MiB, is one block of Llama-3-8B in bf16: 32 layers, K and V,
 16 tokens, 8 KV heads of 128). Paths:
+- store (lent slots): what engines use beside a store on their host by
+  default on a GPU (--kv-store-slots): the store lends slots of its own
+  shared memory, and this process copies each block straight into a
+  reserved slot and commits it, or out of a pinned one; no copy by the store;
 - store (shared memory): what engines use beside a store on their host: the
   store client with a mover process, and a real KV store process that maps
   the engine's shared-memory arena and copies each value in and out of it
@@ -21,6 +25,11 @@ Every path moves the same bytes: --size-mib of blocks of --block-kib each
 Each path runs idle, then (--busy) while a Python thread of this process
 spins, as a serving engine's thread does: bytes that need this process's GIL
 to move slow down then.
+
+With --device cuda the blocks start and end in GPU memory, as an engine's
+do: the shared-memory and lent-slot paths include the DMA to and from the
+host (into the pinned arena, or the page-locked slot), the store's copy
+where there is one, and wait for both.
 
     tandem bench kv --size-mib 256 --backends memory,redis
 """
@@ -61,6 +70,9 @@ def register(subparsers) -> None:
     p.add_argument("--switch-interval-ms", type=float, default=None,
                    help="Python's GIL switch interval in this process while measuring (default: what engine "
                         "processes with a KV mover set, 1 ms; Python's own default is 5)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the blocks are before a save and after a load (cuda: the store paths that an "
+                        "engine on the store's host uses, shared memory and lent slots, each with its DMA)")
     p.add_argument("--output-json", default=None)
     p.set_defaults(handler=run)
 
@@ -279,11 +291,95 @@ def redis_process() -> Iterator[Optional[str]]:
             proc.wait(10)
 
 
-def store_paths(target: str, total: int, block: int, mover: bool, shared: bool = False
+def _on_gpu(total: int, block: int):
+    """Blocks in GPU memory, [n, block] bytes, random."""
+    import torch
+
+    return torch.randint(0, 256, (total // block, block), dtype=torch.uint8, device="cuda")
+
+
+def _cuda_pin(view) -> bool:
+    import torch
+
+    held = torch.frombuffer(view, dtype=torch.uint8)
+    return int(torch.cuda.cudart().cudaHostRegister(held.data_ptr(), held.numel(), 0)) == 0
+
+
+def lent_paths(target: str, total: int, block: int, device: str = "cpu"
+               ) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
+    """(save, load, close) through slots the store lends (same host): reserve,
+    copy each block in, commit; pin, copy each block out, release. On the CPU
+    a block is one memmove without the GIL; on a GPU one DMA."""
+    import torch
+
+    from tandem.services.kvstore.lent_slots import LentSlots
+
+    cuda = device == "cuda"
+    slots = LentSlots(target, timeout_s=120.0, pin_memory=_cuda_pin if cuda else None)
+    if not slots.usable():
+        slots.close()
+        raise RuntimeError("the store lends no slots here")
+    n = total // block
+    keys = [f"bench-lent-{i}" for i in range(n)]
+    if cuda:
+        source, back = _on_gpu(total, block), torch.empty((n, block), dtype=torch.uint8, device="cuda")
+        streams = [torch.cuda.Stream() for _ in range(4)]
+    else:
+        source = torch.frombuffer(bytearray(os.urandom(total)), dtype=torch.uint8).view(n, block)
+        back = torch.zeros((n, block), dtype=torch.uint8)
+    groups = [list(range(i, n, 4)) for i in range(4)]
+    pool = ThreadPoolExecutor(max_workers=len(groups))
+
+    def copy(group, views, into_slots: bool, g: int) -> None:
+        # All of a call's blocks in one torch call (as the connector does): it
+        # releases the GIL once, where a copy per block would wait for it per block.
+        slots_ = [torch.frombuffer(view, dtype=torch.uint8) for view in views]
+        ours = [source[i] for i in group] if into_slots else [back[i] for i in group]
+        if not cuda:
+            torch._foreach_copy_(*((slots_, ours) if into_slots else (ours, slots_)))
+            return
+        with torch.cuda.stream(streams[g]):
+            torch._foreach_copy_(*((slots_, ours) if into_slots else (ours, slots_)), non_blocking=True)
+        streams[g].synchronize()
+
+    def put(g: int) -> None:
+        group = groups[g]
+        lease = slots.reserve([keys[i] for i in group], block)
+        try:
+            copy(group, lease.views, True, g)
+            if lease.commit() != len(group):
+                raise RuntimeError("the store did not store every block (capacity?)")
+        except BaseException:
+            lease.release()
+            raise
+
+    def get(g: int) -> None:
+        group = groups[g]
+        lease = slots.pin([keys[i] for i in group], block)
+        try:
+            if lease.num_lent != len(group):
+                raise RuntimeError("the store lost blocks between save and load")
+            copy(group, lease.views, False, g)
+        finally:
+            lease.release()
+
+    def across(call) -> None:
+        for future in [pool.submit(call, g) for g in range(len(groups))]:
+            future.result()
+
+    def close() -> None:
+        pool.shutdown()
+        slots.close()
+    return lambda: across(put), lambda: across(get), close
+
+
+def store_paths(target: str, total: int, block: int, mover: bool, shared: bool = False, device: str = "cpu"
                 ) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
     """(save, load, close) of total bytes in blocks through the engines' store
     client: bytes moved by a mover process (through the store's mapping of
-    the arena when shared), or in this process."""
+    the arena when shared), or in this process. device=cuda: each group's
+    blocks are first copied from the GPU into the pinned arena (a save) or
+    from it to the GPU after the get (a load), as the connector does."""
     from tandem.services.kvstore.block_client import BlockStoreClient
     from tandem.services.kvstore.mover import MovedBlockStoreClient
 
@@ -295,6 +391,8 @@ def store_paths(target: str, total: int, block: int, mover: bool, shared: bool =
     arena = client.open_arena(n * block)
     arena[:] = os.urandom(len(arena))
     items = [(f"bench-{i}", i * block, block) for i in range(n)]
+    if device == "cuda":
+        return _store_paths_on_gpu(client, arena, items, total, block)
     # As the connector does: one call per step's blocks, with a few in flight
     # (save and prefetches), from threads that live as long as the client.
     groups = [items[i::4] for i in range(4)]
@@ -318,6 +416,44 @@ def store_paths(target: str, total: int, block: int, mover: bool, shared: bool =
     return lambda: across(put), lambda: across(get), close
 
 
+def _store_paths_on_gpu(client, arena, items, total: int, block: int):
+    import torch
+
+    if not _cuda_pin(arena):
+        raise RuntimeError("cannot pin the staging arena")
+    source = _on_gpu(total, block)
+    back = torch.empty_like(source)
+    staged = torch.frombuffer(arena, dtype=torch.uint8).view(len(items), block)
+    groups = [list(range(i, len(items), 4)) for i in range(4)]
+    streams = [torch.cuda.Stream() for _ in groups]
+    pool = ThreadPoolExecutor(max_workers=len(groups))
+
+    def put(g: int) -> None:
+        with torch.cuda.stream(streams[g]):
+            for i in groups[g]:
+                staged[i].copy_(source[i], non_blocking=True)
+        streams[g].synchronize()
+        if client.put([items[i] for i in groups[g]]) != len(groups[g]):
+            raise RuntimeError("the store did not store every block (capacity?)")
+
+    def get(g: int) -> None:
+        if not all(client.get([items[i] for i in groups[g]])):
+            raise RuntimeError("the store lost blocks between save and load")
+        with torch.cuda.stream(streams[g]):
+            for i in groups[g]:
+                back[i].copy_(staged[i], non_blocking=True)
+        streams[g].synchronize()
+
+    def across(call) -> None:
+        for future in [pool.submit(call, g) for g in range(len(groups))]:
+            future.result()
+
+    def close() -> None:
+        pool.shutdown()
+        client.close()
+    return lambda: across(put), lambda: across(get), close
+
+
 def run(args: argparse.Namespace) -> int:
     from tandem.services.kvstore.mover import ENGINE_SWITCH_INTERVAL_S
 
@@ -335,11 +471,24 @@ def run(args: argparse.Namespace) -> int:
             with busy_thread(busy):
                 rate = timed(fn, total, args.repeats, warmup)
             rows.append({"path": path, "what": what, "busy": busy, "GBps": rate})
-            print(f"{path:<30}{what:<6} busy {busy:<4} {rate:6.2f} GB/s", file=sys.stderr, flush=True)
+            print(f"{path:<36}{what:<6} busy {busy:<4} {rate:6.2f} GB/s", file=sys.stderr, flush=True)
 
     with tcp_ceiling(total) as receive:
         measure("tcp loopback", "recv", receive)
     measure("memcpy", "copy", memcpy(total))
+    if args.device == "cuda":
+        if "memory" in args.backends:
+            with store_process("memory", 4 * total) as target:
+                for path, paths in (("store memory (lent slots)", lambda: lent_paths(target, total, block, "cuda")),
+                                    ("store memory (shared memory)",
+                                     lambda: store_paths(target, total, block, True, True, "cuda"))):
+                    save, load, close = paths()
+                    try:
+                        measure(path + " gpu", "save", save)
+                        measure(path + " gpu", "load", load)
+                    finally:
+                        close()
+        return _report(rows, args, total, block, interval_s)
     with nixl_read(total) as read:
         if read is None:
             print("nixl: NIXL is not installed; skipped", file=sys.stderr)
@@ -352,26 +501,35 @@ def run(args: argparse.Namespace) -> int:
             if spec is None:
                 print("redis: redis-server is not installed; skipped", file=sys.stderr)
                 continue
-            variants = (("shared memory", True, True, True), ("", True, True, False),
-                        ("in-process", True, False, False), ("grpc", False, False, False))
+            variants = (("lent slots", True, False, False), ("shared memory", True, True, True),
+                        ("", True, True, False), ("in-process", True, False, False), ("grpc", False, False, False))
             for name, data_channel, mover, shared in variants:
+                if name == "lent slots" and backend != "memory":
+                    continue  # only the memory backend's values live in the store's own memory
                 path = f"store {backend}" + (f" ({name})" if name else "")
                 with store_process(spec, 4 * total, data_channel) as target:
-                    save, load, close = store_paths(target, total, block, mover, shared)
+                    if name == "lent slots":
+                        save, load, close = lent_paths(target, total, block)
+                    else:
+                        save, load, close = store_paths(target, total, block, mover, shared)
                     try:
                         measure(path, "save", save)
                         measure(path, "load", load)
                     finally:
                         close()
+    return _report(rows, args, total, block, interval_s)
+
+
+def _report(rows: list[dict], args: argparse.Namespace, total: int, block: int, interval_s: float) -> int:
     ceiling = {r["busy"]: r["GBps"] for r in rows if r["path"] == "tcp loopback"}
     idle = {(r["path"], r["what"]): r["GBps"] for r in rows if r["busy"] == 0}
     copying = idle.get(("memcpy", "copy"), float("nan"))
-    print(f"\n{'path':<30}{'what':<6}{'busy':>5}{'GB/s':>8}{'/tcp':>7}{'/memcpy':>8}{'/idle':>7}")
+    print(f"\n{'path':<36}{'what':<6}{'busy':>5}{'GB/s':>8}{'/tcp':>7}{'/memcpy':>8}{'/idle':>7}")
     for r in rows:
         r["of_tcp"] = r["GBps"] / ceiling.get(0.0, float("nan"))
         r["of_memcpy"] = r["GBps"] / copying
         r["of_idle"] = r["GBps"] / idle.get((r["path"], r["what"]), float("nan"))
-        print(f"{r['path']:<30}{r['what']:<6}{r['busy']:>5}{r['GBps']:>8.2f}{r['of_tcp']:>7.2f}"
+        print(f"{r['path']:<36}{r['what']:<6}{r['busy']:>5}{r['GBps']:>8.2f}{r['of_tcp']:>7.2f}"
               f"{r['of_memcpy']:>8.2f}{r['of_idle']:>7.2f}")
     if args.output_json:
         with open(args.output_json, "w") as f:

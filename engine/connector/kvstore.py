@@ -150,6 +150,11 @@ class KVStoreConnector(KVConnector):
         # the store copies each on a connection (and a core) of its own, and
         # each piece's slots come back as soon as it is stored.
         self._saver = ThreadPoolExecutor(max_workers=SAVE_THREADS, thread_name_prefix="kv-save")
+        # Reservations of the store's own slots, asked at a step's first layer and
+        # answered while the others run (commits wait on the saver threads).
+        self._reserver = ThreadPoolExecutor(max_workers=SAVE_THREADS, thread_name_prefix="kv-reserve")
+        self.slots_timeout_s = SAVE_SLOT_WAIT_S
+        self._unfinished_lent: Optional[tuple[list[Future], int]] = None  # (reservations, blocks) of this step
         self._saves: list[Future] = []  # puts still running
         self._stats_lock = threading.Lock()  # the saver and loader threads count into self.stats
         # Prompt blocks each unfinished request had staged for the store: [first, last).
@@ -446,8 +451,8 @@ class KVStoreConnector(KVConnector):
             sources = [self._slot_block(view) for view in result.lease.views[offset:offset + k]]
             if cache.device.type == "cuda":
                 on_device = torch.empty((k, *self.arena.block_shape), dtype=cache.dtype, device=cache.device)
-                for i, source in enumerate(sources):
-                    on_device[i].copy_(source, non_blocking=True)  # pinned (the slab is page-locked): a DMA
+                # One DMA per block (the slab is page-locked), queued in one call.
+                torch._foreach_copy_(list(on_device.unbind(0)), sources, non_blocking=True)
                 cache.write_blocks(ids, on_device.permute(1, 2, 0, 3, 4, 5))
                 copied = torch.cuda.current_stream(cache.device).record_event()
             else:
@@ -498,7 +503,7 @@ class KVStoreConnector(KVConnector):
             keys = [block_key(h) for s in meta.saves for h in s.block_hashes]
             step = _StepSave(staged_at=self._save_started, pieces=-(-len(keys) // PUT_CHUNK_BLOCKS))
             if meta.lent_saves:
-                self._submit_lent_saves(meta, keys, step)
+                self._submit_lent_saves(meta, step)
             else:
                 copied = self._copy_to_arena(meta) if meta.save_on_device is not None else None
                 for i in range(0, len(keys), PUT_CHUNK_BLOCKS):
@@ -513,6 +518,7 @@ class KVStoreConnector(KVConnector):
         slots (gathered on the cache's device first) or in the arena.
         False: no room within SAVE_SLOT_WAIT_S, and this step's saves are dropped."""
         started = time.monotonic()
+        self._abandon_unfinished_lent()
         n = sum(len(s.block_ids) for s in meta.saves)
         device = self.cache_view.device
         if self._slots_usable():
@@ -534,76 +540,113 @@ class KVStoreConnector(KVConnector):
             return False
         meta.num_save_blocks = n
         meta.save_block_ids = torch.tensor(meta.saved_block_ids(), device=device)
+        if meta.lent_saves:
+            self._reserve_lent(meta)
         if meta.lent_saves or self.arena.pinned:
             meta.save_on_device = torch.empty((n, *self.arena.block_shape), dtype=self.cache_view.dtype,
                                               device=device)
         return True
 
-    def _submit_lent_saves(self, meta: StoreMeta, keys: list[str], step: "_StepSave") -> None:
-        """The step's gathered blocks go to the saver threads in pieces, each
-        into slots the store reserves; on a GPU the copies wait for the
-        gather on a stream of their own."""
-        gathered, meta.save_on_device = meta.save_on_device, None
-        ready = None
-        if gathered.is_cuda:
-            if self._copy_stream is None:
-                self._copy_stream = torch.cuda.Stream(gathered.device)
-            ready = torch.cuda.current_stream(gathered.device).record_event()
-        for i in range(0, len(keys), PUT_CHUNK_BLOCKS):
-            self._saves.append(self._saver.submit(
-                self._put_lent, keys[i:i + PUT_CHUNK_BLOCKS], gathered[i:i + PUT_CHUNK_BLOCKS], step, ready))
+    def _reserve_lent(self, meta: StoreMeta) -> None:
+        """Layer 0: ask the store for slots for each piece of the step's saves,
+        on threads of their own, while the layers run (the keys are known)."""
+        keys = [block_key(h) for s in meta.saves for h in s.block_hashes]
+        meta.lent_reservations = [self._reserver.submit(self.slots.reserve, keys[i:i + PUT_CHUNK_BLOCKS],
+                                                        self._value_bytes)
+                                  for i in range(0, len(keys), PUT_CHUNK_BLOCKS)]
+        self._unfinished_lent = (meta.lent_reservations, len(keys))
 
-    def _put_lent(self, keys: list[str], blocks: torch.Tensor, step: "_StepSave",
-                  ready: Optional["torch.cuda.Event"]) -> None:
-        """Store one piece of a step's gathered blocks in slots the store lends
-        (on a saver thread): reserve, copy each block in (one DMA on a GPU,
-        once `ready` has passed), commit. A block the store had no slot to
-        lend for is not stored (its decode computes it), and the arena is
-        used for a while instead."""
+    def _abandon_unfinished_lent(self) -> None:
+        """A step that reserved slots and never reached its last layer (it
+        failed): its reservations go back, and so does its budget."""
+        if self._unfinished_lent is None:
+            return
+        reservations, n = self._unfinished_lent
+        self._unfinished_lent = None
+        for reservation in reservations:
+            reservation.add_done_callback(lambda done: done.exception() is None and done.result().release())
+        self._lent_budget.release(n)
+
+    def _submit_lent_saves(self, meta: StoreMeta, step: "_StepSave") -> None:
+        """The last layer: each piece's gathered blocks into its reserved slots.
+        The copies are queued here, on the engine thread (on a GPU, one DMA per
+        block on a stream of their own, after the gather): a saver thread
+        queueing them would wait for this thread's GIL once per block. A saver
+        thread then waits for them and commits the piece."""
+        gathered, meta.save_on_device = meta.save_on_device, None
+        cuda = gathered.is_cuda
+        if cuda and self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(gathered.device)
+        ready = torch.cuda.current_stream(gathered.device).record_event() if cuda else None
+        for piece, reservation in enumerate(meta.lent_reservations):
+            first = piece * PUT_CHUNK_BLOCKS
+            n = min(PUT_CHUNK_BLOCKS, gathered.shape[0] - first)
+            try:
+                lease = reservation.result(timeout=self.slots_timeout_s)
+            except Exception as exc:
+                self._lent_save_failed(exc, n, step)
+                continue
+            try:
+                if lease.num_lent < n:
+                    self.slots.set_aside(f"the store had no slot to lend for {n - lease.num_lent} of {n} blocks "
+                                         "(its /dev/shm is full?)")
+                copied = self._fill_slots(gathered[first:first + n], lease.views, ready)
+            except Exception as exc:
+                lease.release()
+                self._lent_save_failed(exc, n, step)
+                continue
+            self._saves.append(self._saver.submit(self._commit_lent, lease, copied, n, step))
+        meta.lent_reservations = []
+        self._unfinished_lent = None
+        if cuda:  # its memory must not be reused before the copies out of it are done
+            gathered.record_stream(self._copy_stream)
+
+    def _fill_slots(self, blocks: torch.Tensor, views: list, ready: Optional["torch.cuda.Event"]
+                    ) -> Optional["torch.cuda.Event"]:
+        """blocks[i] (and its header) into slot views[i], where lent. On a GPU
+        the copies are queued after `ready` and the returned event marks them
+        done; on the CPU they are done on return."""
+        targets = [(i, torch.frombuffer(view, dtype=torch.uint8)) for i, view in enumerate(views) if view is not None]
+        for _, slot in targets:
+            slot[:HEADER_BYTES] = self._header
+        into = [slot[HEADER_BYTES:].view(blocks.dtype).view(blocks.shape[1:]) for _, slot in targets]
+        out_of = [blocks[i] for i, _ in targets]
+        if ready is None:
+            torch._foreach_copy_(into, out_of)  # one call for all: one GIL release, not one per block
+            return None
+        with torch.cuda.stream(self._copy_stream):
+            self._copy_stream.wait_event(ready)
+            torch._foreach_copy_(into, out_of, non_blocking=True)  # one DMA per block: the slab is page-locked
+            return self._copy_stream.record_event()
+
+    def _commit_lent(self, lease, copied: Optional["torch.cuda.Event"], n: int, step: "_StepSave") -> None:
+        """On a saver thread: once a piece's copies are done, its slots become values."""
         stored = 0
         try:
+            if copied is not None:
+                started = time.monotonic()
+                copied.synchronize()  # waits without the GIL
+                self.stats.observe("save_copy", time.monotonic() - started)
             started = time.monotonic()
-            lease = self.slots.reserve(keys, self._value_bytes)
-            reserved = time.monotonic()
-            try:
-                if lease.num_lent < len(keys):
-                    self.slots.set_aside(f"the store had no slot to lend for {len(keys) - lease.num_lent} of "
-                                         f"{len(keys)} blocks (its /dev/shm is full?)")
-                self._fill_slots(blocks, lease.views, ready)
-                copied = time.monotonic()
-                self.stats.observe("save_copy", copied - reserved)
-                stored = lease.commit()
-                with self._stats_lock:
-                    self.stats.save_blocks_lent += stored
-            except BaseException:
-                lease.release()
-                raise
-            self.stats.observe("save_put", (reserved - started) + (time.monotonic() - copied))
+            stored = lease.commit()
+            self.stats.observe("save_put", time.monotonic() - started)
+            with self._stats_lock:
+                self.stats.save_blocks_lent += stored
         except Exception as exc:  # the decode side will recompute; never fail the request
+            lease.release()
             log.warning("KV save failed: %s", exc)
             with self._stats_lock:
                 self.stats.save_failures += 1
         finally:
-            del blocks
-            self._lent_budget.release(len(keys))
+            self._lent_budget.release(n)
         self._count_saved(stored, step)
 
-    def _fill_slots(self, blocks: torch.Tensor, views: list, ready: Optional["torch.cuda.Event"]) -> None:
-        """blocks[i] (and its header) into slot views[i], where lent; returns once copied."""
-        targets = [(i, torch.frombuffer(view, dtype=torch.uint8)) for i, view in enumerate(views) if view is not None]
-        for _, slot in targets:
-            slot[:HEADER_BYTES] = self._header
-        if ready is None:
-            for i, slot in targets:
-                slot[HEADER_BYTES:].view(blocks.dtype).view(blocks.shape[1:]).copy_(blocks[i])
-            return
-        with torch.cuda.stream(self._copy_stream):
-            self._copy_stream.wait_event(ready)
-            for i, slot in targets:  # one DMA per block: the slab is page-locked
-                slot[HEADER_BYTES:].view(blocks.dtype).view(blocks.shape[1:]).copy_(blocks[i], non_blocking=True)
-            blocks.record_stream(self._copy_stream)
-            done = self._copy_stream.record_event()
-        done.synchronize()  # waits without the GIL
+    def _lent_save_failed(self, exc: Exception, n: int, step: "_StepSave") -> None:
+        log.warning("KV save failed: %s", exc)
+        with self._stats_lock:
+            self.stats.save_failures += 1
+        self._lent_budget.release(n)
+        self._count_saved(0, step)
 
     def _copy_to_arena(self, meta: StoreMeta) -> "torch.cuda.Event":
         """Queue the step's gathered blocks' copies into their pinned slots on a
@@ -658,9 +701,11 @@ class KVStoreConnector(KVConnector):
         self._saves = [fut for fut in self._saves if not fut.done()]
 
     def close(self) -> None:
+        self._abandon_unfinished_lent()
         self._releaser.shutdown(wait=True)
         self._loader.shutdown(wait=True, cancel_futures=True)
         self._saver.shutdown(wait=True)
+        self._reserver.shutdown(wait=True)
         if self.slots is not None:
             self.slots.close()
         self.client.close()

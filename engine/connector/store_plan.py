@@ -79,4 +79,6 @@ class StoreMeta(ConnectorMeta):
     # into the store's own slots (lent_saves).
     save_on_device: Optional[torch.Tensor] = None
     lent_saves: bool = False  # the saves go into slots the store lends, not the arena
+    # ... reserved at layer 0, piece by piece: futures of SlotLeases, used at the last layer.
+    lent_reservations: list = field(default_factory=list)
     stage_seconds: float = 0.0  # the engine thread's time in save_layer this step

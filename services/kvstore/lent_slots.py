@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 # Leases at once (each holds a connection): a prefill's save pieces and a
 # decode's loads waiting for admission. A lease past these waits for one.
-MAX_LEASES = 64
+MAX_LEASES = 256
 # After the store said it lends nothing, or a reserve found no slot to lend:
 # how long the connector uses its arena before this client asks again.
 RETRY_S = 10.0
