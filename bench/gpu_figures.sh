@@ -2,7 +2,7 @@
 # The GPU figures of docs/benchmarks.md, in one go, from the repository root on a
 # CUDA machine whose Python has torch, triton and transformers (the lent H100
 # image has them; see ../shared/device/README.md). OUT: where JSON results go.
-# Usage: bash bench/gpu_figures.sh [kernels|tests|latency|throughput|tp|tp-tests]...
+# Usage: bash bench/gpu_figures.sh [kernels|tests|latency|throughput|tp|tp-tests|kv]...
 # kernels: the decode sweep (fused vs two-launch reduce, tiles, splits per SM) on
 # SWEEP_SHAPES (set it empty to skip the sweep), then the whole decode table with
 # the defaults.
