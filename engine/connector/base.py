@@ -100,7 +100,8 @@ class StoreSlots(Protocol):
     between the engine's cache and the store with one copy (a DMA on a GPU)
     and no staging arena. A KVStore may offer it: `lent_slots(pin_memory,
     unpin_memory)` returns one (pin_memory page-locks each slab the engine
-    maps, for the GPU), or the store has no such method."""
+    maps, for the GPU; observe(phase, seconds) hears how long each took), or the
+    store has no such method."""
 
     def usable(self) -> bool:
         """Whether lending works now (asked of the store now and then; never raises)."""
@@ -254,12 +255,16 @@ class ConnectorStats:
 KV_PHASES = {
     "save_slot_wait": "prefill, engine thread: a step's saves wait for staging slots earlier puts hold",
     "save_stage": "prefill, engine thread: gathering a step's blocks and queuing their copies to the host",
-    "save_copy": "prefill: a piece's copies from the GPU into the staging arena, waited for before its put",
-    "save_put": "prefill: one piece of a step's blocks put into the store",
+    "save_copy": "prefill: a piece's copies from the GPU into the staging arena (or the store's lent slots), "
+                 "waited for before its put (or commit)",
+    "save_put": "prefill: one piece of a step's blocks put into the store (lent slots: committed)",
+    "save_reserve": "prefill, lent slots: the store reserving a piece's slots, asked at the step's first layer",
+    "save_reserve_wait": "prefill, engine thread, lent slots: the last layer waiting for those reservations",
+    "slots_map": "lent slots: mapping one of the store's slabs and page-locking it for the GPU",
     "load_write_wait": "decode: waiting for blocks the prefill was still writing",
     "load_lookup": "decode: asking the store which blocks it holds",
     "load_slot_wait": "decode: a fetch waits for staging slots",
-    "load_get": "decode: reading a request's blocks from the store into the staging arena",
+    "load_get": "decode: reading a request's blocks from the store into the staging arena (lent slots: pinning them)",
     "load_fetch": "decode: a whole background fetch, from the request's arrival until its blocks are staged",
     "load_copy_in": "decode, engine thread: staged blocks copied into the KV cache",
 }

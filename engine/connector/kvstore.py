@@ -413,10 +413,9 @@ class KVStoreConnector(KVConnector):
         lend = self.slots_policy == "on" or (self.slots_policy == "auto" and kv_cache.is_cuda)
         opener = getattr(self.client, "lent_slots", None)
         if lend and opener is not None:
-            if kv_cache.is_cuda:
-                self.slots = opener(pin_memory=_pin_for_cuda, unpin_memory=_unpin_for_cuda)
-            else:
-                self.slots = opener(pin_memory=None, unpin_memory=None)
+            cuda = kv_cache.is_cuda
+            self.slots = opener(pin_memory=_pin_for_cuda if cuda else None,
+                                unpin_memory=_unpin_for_cuda if cuda else None, observe=self.stats.observe)
 
     def start_load(self, meta: StoreMeta) -> set[str]:
         failed: set[str] = set()
@@ -551,10 +550,15 @@ class KVStoreConnector(KVConnector):
         """Layer 0: ask the store for slots for each piece of the step's saves,
         on threads of their own, while the layers run (the keys are known)."""
         keys = [block_key(h) for s in meta.saves for h in s.block_hashes]
-        meta.lent_reservations = [self._reserver.submit(self.slots.reserve, keys[i:i + PUT_CHUNK_BLOCKS],
-                                                        self._value_bytes)
+        meta.lent_reservations = [self._reserver.submit(self._reserve, keys[i:i + PUT_CHUNK_BLOCKS])
                                   for i in range(0, len(keys), PUT_CHUNK_BLOCKS)]
         self._unfinished_lent = (meta.lent_reservations, len(keys))
+
+    def _reserve(self, keys: list[str]):
+        started = time.monotonic()
+        lease = self.slots.reserve(keys, self._value_bytes)
+        self.stats.observe("save_reserve", time.monotonic() - started)
+        return lease
 
     def _abandon_unfinished_lent(self) -> None:
         """A step that reserved slots and never reached its last layer (it
@@ -581,11 +585,14 @@ class KVStoreConnector(KVConnector):
         for piece, reservation in enumerate(meta.lent_reservations):
             first = piece * PUT_CHUNK_BLOCKS
             n = min(PUT_CHUNK_BLOCKS, gathered.shape[0] - first)
+            waited = time.monotonic()
             try:
                 lease = reservation.result(timeout=self.slots_timeout_s)
             except Exception as exc:
                 self._lent_save_failed(exc, n, step)
                 continue
+            finally:
+                self.stats.observe("save_reserve_wait", time.monotonic() - waited)
             try:
                 if lease.num_lent < n:
                     self.slots.set_aside(f"the store had no slot to lend for {n - lease.num_lent} of {n} blocks "
@@ -708,4 +715,5 @@ class KVStoreConnector(KVConnector):
         self._reserver.shutdown(wait=True)
         if self.slots is not None:
             self.slots.close()
+        self.arena.unpin()
         self.client.close()

@@ -66,6 +66,13 @@ class StagingArena:
         self.pinned = True
         return True
 
+    def unpin(self) -> None:
+        """Undo pin() (before the memory goes: a registration left behind would
+        refuse to pin a later mapping at the same address, CUDA error 712)."""
+        if self.pinned:
+            self.pinned = False
+            torch.cuda.cudart().cudaHostUnregister(self._raw.data_ptr())
+
     @staticmethod
     def slot_size(layout: KVCacheLayout) -> int:
         """Bytes of one slot: a block's header and data, rounded up to ALIGN."""

@@ -140,11 +140,12 @@ class BlockStoreClient:
             found.append(ok)
         return found
 
-    def lent_slots(self, pin_memory=None, unpin_memory=None):
+    def lent_slots(self, pin_memory=None, unpin_memory=None, observe=None):
         """The store's own slots, where it lends them (engine.connector.base.StoreSlots)."""
         from tandem.services.kvstore.lent_slots import LentSlots
 
-        return LentSlots(self.target, self.timeout_s, self.tls, pin_memory=pin_memory, unpin_memory=unpin_memory)
+        return LentSlots(self.target, self.timeout_s, self.tls, pin_memory=pin_memory, unpin_memory=unpin_memory,
+                          observe=observe)
 
     def close(self) -> None:
         for idle in (self._idle, self._lookup_idle):

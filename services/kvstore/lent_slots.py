@@ -12,6 +12,11 @@ holds one data-channel connection from the first call to the last, because
 the store ties reservations and pins to the connection: a lease whose engine
 dies or whose connection drops ends by itself.
 
+Mapping a slab and page-locking it for the GPU takes tens of milliseconds
+(256 MiB), so a thread maps the store's slabs as the store makes them (it
+lists those it has ready before lending a slot of them): a lease rarely
+waits for one.
+
 Usable only where the engine sees the store's /dev/shm (the same host, the
 same pod or `tandem up`): each slab ends with the store's token, checked
 before the slab is used. `usable()` says whether this store lends and its
@@ -46,6 +51,8 @@ RETRY_S = 10.0
 # Slabs of a store that went away (another token) are unmapped this long
 # after, once no copy can still be reading them.
 RETIRE_AFTER_S = 60.0
+# How often the watcher asks the store for slabs it made since.
+WATCH_S = 0.2
 
 
 class _Slab:
@@ -112,7 +119,9 @@ class LentSlots:
 
     def __init__(self, target: str, timeout_s: float = 5.0, tls: Optional[TLSConfig] = None,
                  pin_memory: Optional[Callable[[memoryview], bool]] = None,
-                 unpin_memory: Optional[Callable[[memoryview], None]] = None) -> None:
+                 unpin_memory: Optional[Callable[[memoryview], None]] = None,
+                 observe: Optional[Callable[[str, float], None]] = None) -> None:
+        """observe(phase, seconds): told of each slab mapped ("slots_map")."""
         self.target = target
         self.timeout_s = timeout_s
         self._channel = BlockStoreClient(target, timeout_s=timeout_s, tls=tls)
@@ -126,6 +135,9 @@ class LentSlots:
         self._leases = threading.BoundedSemaphore(MAX_LEASES)
         self._unusable_until = 0.0  # monotonic: no lending asked before then
         self._why_not: Optional[str] = None
+        self._observe = observe
+        self._closed = threading.Event()
+        self._watcher: Optional[threading.Thread] = None
 
     # ---- whether to use it ------------------------------------------------------
     def usable(self) -> bool:
@@ -152,7 +164,27 @@ class LentSlots:
             return False
         self._give_back(sock, ok=True)
         self._checked = True
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, name="kv-slabs", daemon=True)
+            self._watcher.start()
         return True
+
+    def _watch(self) -> None:
+        """Map (and page-lock) the store's slabs as it makes them, off the leases' path."""
+        while not self._closed.wait(WATCH_S):
+            if not self._checked:
+                continue
+            try:
+                sock = self._borrow()
+            except KVStoreUnavailable:
+                continue
+            try:
+                self._refresh(sock)
+            except (OSError, ssl.SSLError, wire.ProtocolError, wire.RemoteError, ValueError) as exc:
+                self._give_back(sock, ok=False)
+                log.debug("KV store at %s: mapping its slabs failed: %s", self.target, exc)
+                continue
+            self._give_back(sock, ok=True)
 
     def set_aside(self, why: str) -> None:
         """Use the arena for RETRY_S (e.g. a reserve found no slot to lend)."""
@@ -220,7 +252,10 @@ class LentSlots:
             self._retire_old()
             for index, size, name in listed:
                 if index not in self._slabs:
+                    started = time.monotonic()
                     self._slabs[index] = self._map(name, size, token)
+                    if self._observe is not None:
+                        self._observe("slots_map", time.monotonic() - started)
 
     def _map(self, name: str, size: int, token: bytes) -> _Slab:
         if not name.startswith(SLAB_PREFIX) or "/" in name:
@@ -233,7 +268,8 @@ class LentSlots:
         try:
             if os.fstat(fd).st_size < size + TOKEN_BYTES or os.pread(fd, TOKEN_BYTES, size) != token:
                 raise ValueError(f"{SHM_DIR}/{name} here is not the store's (another pod's /dev/shm)")
-            mapped = mmap.mmap(fd, size)
+            # MAP_POPULATE: the page table filled in one go (the store's pages exist), not by a fault per page.
+            mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
         slab = _Slab(name, mapped, pinned=False)
@@ -249,15 +285,21 @@ class LentSlots:
         for since, slab in self._retired:
             if now - since < RETIRE_AFTER_S:
                 keep.append((since, slab))
-                continue
-            if slab.pinned and self._unpin_memory is not None:
-                self._unpin_memory(slab.view)
-            slab.view.release()
-            try:
-                slab.map.close()
-            except BufferError:  # a tensor still refers to it: the garbage collector unmaps it later
-                pass
+            else:
+                self._unmap(slab)
         self._retired = keep
+
+    def _unmap(self, slab: _Slab) -> None:
+        # Unpinned first: memory unmapped while still registered would leave the
+        # registration behind, and a later mapping at that address could not be pinned.
+        if slab.pinned and self._unpin_memory is not None:
+            self._unpin_memory(slab.view)
+            slab.pinned = False
+        try:
+            slab.view.release()
+            slab.map.close()
+        except BufferError:  # a tensor still refers to it: the garbage collector unmaps it later
+            pass
 
     # ---- connections ------------------------------------------------------------
     def _borrow(self) -> socket.socket:
@@ -286,9 +328,18 @@ class LentSlots:
         self._leases.release()
 
     def close(self) -> None:
+        """Close the connections (the store ends their leases) and unmap the slabs:
+        call it once no copy to or from a slot is under way."""
+        self._closed.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=self.timeout_s + 1)
         while True:
             try:
                 self._idle.get_nowait().close()
             except queue.Empty:
                 break
         self._channel.close()
+        with self._lock:
+            for slab in list(self._slabs.values()) + [slab for _, slab in self._retired]:
+                self._unmap(slab)
+            self._slabs, self._retired = {}, []

@@ -102,13 +102,14 @@ class MovedBlockStoreClient:
         pieces = [items[i:i + GET_PIECE_BLOCKS] for i in range(0, len(items), GET_PIECE_BLOCKS)]
         return [found for piece in self._call_many("get", pieces) for found in piece]
 
-    def lent_slots(self, pin_memory=None, unpin_memory=None):
+    def lent_slots(self, pin_memory=None, unpin_memory=None, observe=None):
         """The store's own slots, where it lends them (engine.connector.base.StoreSlots):
         used in this process, since only small requests cross the socket."""
         from tandem.services.kvstore.lent_slots import LentSlots
 
         target, timeout_s, tls, _connections = self._settings
-        return LentSlots(target, timeout_s, tls, pin_memory=pin_memory, unpin_memory=unpin_memory)
+        return LentSlots(target, timeout_s, tls, pin_memory=pin_memory, unpin_memory=unpin_memory,
+                          observe=observe)
 
     def close(self) -> None:
         if self._local is not None:

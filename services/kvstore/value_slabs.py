@@ -62,7 +62,7 @@ class Slab:
 
     map: mmap.mmap
     name: Optional[str] = None
-    index: int = -1  # its place in ValueSlabs.slabs, once cut into slots
+    index: int = -1  # its key in ValueSlabs.slabs, given when it is made
 
 
 @dataclass
@@ -104,7 +104,10 @@ class ValueSlabs:
         # live in a free list or with a holder, so an id names one slot; a slot a holder
         # drops without giving it back is lost to reuse, and its id may then name a newer slot.
         self._slots: dict[int, tuple[_SizeClass, SlotPlace]] = {}
-        self.slabs: list[Slab] = []  # every slab cut into slots, kept mapped; index = Slab.index
+        # Every slab made (ready or cut into slots), kept mapped, by Slab.index. Ready
+        # ones are listed too, so an engine can map and pin a slab before a slot of it is lent.
+        self.slabs: dict[int, Slab] = {}
+        self._indexes = itertools.count()
         self._lock = threading.Condition()
         self._closed = False
         self._filling = 0  # slabs the fillers are faulting in now
@@ -128,12 +131,14 @@ class ValueSlabs:
                 cls = self._classes[size] = _SizeClass(size)
             if not cls.free:
                 if self._ready:
-                    self._cut(cls, self._ready.pop())
+                    self._cut(cls, self._ready.pop(0))  # the oldest: engines have likely mapped it by now
                     self._lock.notify_all()  # a filler makes the next one
                 elif self.slab_bytes + self.slab_size <= self.max_bytes and not self._closed:
                     # The puts got ahead of the fillers: a slab now, its pages faulted by the copies.
                     self.slab_bytes += self.slab_size
-                    self._cut(cls, self._new_slab())
+                    slab = self._new_slab()
+                    self._listed(slab)
+                    self._cut(cls, slab)
             if cls.free:
                 return cls.free.pop()
             self.num_fresh += 1
@@ -163,7 +168,7 @@ class ValueSlabs:
     def shared_slabs(self) -> list[tuple[int, str, int]]:
         """(index, segment name, bytes) of every shared slab cut so far."""
         with self._lock:
-            return [(slab.index, slab.name, len(slab.map)) for slab in self.slabs if slab.name is not None]
+            return [(slab.index, slab.name, len(slab.map)) for slab in self.slabs.values() if slab.name is not None]
 
     @property
     def num_free(self) -> int:
@@ -181,10 +186,10 @@ class ValueSlabs:
         does) and remove the shared ones' names from /dev/shm."""
         with self._lock:
             self._closed = True
-            slabs = self.slabs + self._ready
+            slabs = list(self.slabs.values())
             self._classes.clear()
             self._slots.clear()
-            self.slabs = []
+            self.slabs = {}
             self._ready.clear()
             self._lock.notify_all()
         for slab in slabs:
@@ -192,13 +197,16 @@ class ValueSlabs:
 
     # ---- slabs ---------------------------------------------------------------
     def _cut(self, cls: _SizeClass, slab: Slab) -> None:
-        slab.index = len(self.slabs)
-        self.slabs.append(slab)
         whole = memoryview(slab.map)
         for i in range(self.slab_size // cls.size):
             slot = whole[i * cls.size:(i + 1) * cls.size]
             self._slots[id(slot)] = (cls, SlotPlace(slab.index, i * cls.size))
             cls.free.append(slot)
+
+    def _listed(self, slab: Slab) -> None:
+        """Give a new slab its index (under _lock)."""
+        slab.index = next(self._indexes)
+        self.slabs[slab.index] = slab
 
     def _new_slab(self) -> Slab:
         if self.shared:
@@ -237,6 +245,7 @@ class ValueSlabs:
                 if self._closed:
                     _unlink(slab.name)
                     return
+                self._listed(slab)
                 self._ready.append(slab)
 
 

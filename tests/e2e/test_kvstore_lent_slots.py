@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -148,3 +149,20 @@ def test_a_killed_stores_slabs_are_removed_by_the_next_store():
         pid = second.process.pid
         second.stop()
     assert slabs_of(pid) == []  # a store that stops removes its own
+
+
+def test_the_engine_maps_the_stores_ready_slabs_before_any_slot_of_them_is_lent(store):
+    # Mapping and page-locking a slab is slow on a GPU host: it must happen off the leases' path.
+    mapped = []
+    slots = LentSlots(store.target, observe=lambda phase, seconds: mapped.append(phase))
+    try:
+        assert slots.usable()
+        deadline = time.monotonic() + 5
+        while not mapped and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert mapped and set(mapped) == {"slots_map"}  # no lease asked yet
+        ahead = len(mapped)
+        assert lent_put(slots, ["z"], b"\x66" * VALUE) == 1
+        assert len(mapped) == ahead  # the slot lent lay in a slab already mapped
+    finally:
+        slots.close()
