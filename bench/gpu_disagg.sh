@@ -65,6 +65,10 @@ export PYTHONUNBUFFERED=1
 # The memory KV store holds every prompt's blocks until the LRU evicts them: give it room
 # (128 KiB per token for Llama-3-8B in bf16). TANDEM_CAPACITY_BYTES is --capacity-bytes' env twin.
 export TANDEM_CAPACITY_BYTES=${TANDEM_CAPACITY_BYTES:-48GiB}
+# ... allocated at start, as a serving store's memory ends up anyway (--preallocate's twin): a sweep
+# of a few minutes would otherwise measure the store growing (new slabs, which each engine on the
+# host also maps and page-locks) more than a store serving.
+export TANDEM_PREALLOCATE=${TANDEM_PREALLOCATE:-1}
 # Room in each engine's staging arena for about three full steps' saves (--kv-staging-gib):
 # with one, a prefill step waits for the last step's puts (docs/benchmarks.md).
 export TANDEM_KV_STAGING_GIB=${TANDEM_KV_STAGING_GIB:-3}

@@ -305,6 +305,12 @@ def _cuda_pin(view) -> bool:
     return int(torch.cuda.cudart().cudaHostRegister(held.data_ptr(), held.numel(), 0)) == 0
 
 
+def _cuda_unpin(view) -> None:
+    import torch
+
+    torch.cuda.cudart().cudaHostUnregister(torch.frombuffer(view, dtype=torch.uint8).data_ptr())
+
+
 def lent_paths(target: str, total: int, block: int, device: str = "cpu"
                ) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
     """(save, load, close) through slots the store lends (same host): reserve,
@@ -315,7 +321,8 @@ def lent_paths(target: str, total: int, block: int, device: str = "cpu"
     from tandem.services.kvstore.lent_slots import LentSlots
 
     cuda = device == "cuda"
-    slots = LentSlots(target, timeout_s=120.0, pin_memory=_cuda_pin if cuda else None)
+    slots = LentSlots(target, timeout_s=120.0, pin_memory=_cuda_pin if cuda else None,
+                      unpin_memory=_cuda_unpin if cuda else None)
     if not slots.usable():
         slots.close()
         raise RuntimeError("the store lends no slots here")
@@ -450,6 +457,7 @@ def _store_paths_on_gpu(client, arena, items, total: int, block: int):
 
     def close() -> None:
         pool.shutdown()
+        _cuda_unpin(arena)  # before the arena goes (a registration left behind refuses the next, CUDA error 712)
         client.close()
     return lambda: across(put), lambda: across(get), close
 

@@ -416,6 +416,7 @@ class KVStoreConnector(KVConnector):
             cuda = kv_cache.is_cuda
             self.slots = opener(pin_memory=_pin_for_cuda if cuda else None,
                                 unpin_memory=_unpin_for_cuda if cuda else None, observe=self.stats.observe)
+            self.slots.usable()  # asked now: the store's slabs are mapped before the first request needs them
 
     def start_load(self, meta: StoreMeta) -> set[str]:
         failed: set[str] = set()

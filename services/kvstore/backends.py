@@ -69,9 +69,13 @@ class MemoryBackend:
     name = "memory"
     keeps_values = True  # the data channel receives into take_buffer()'s buffers, and they are kept
 
-    def __init__(self, capacity_bytes: int, shared_slabs: bool = False) -> None:
+    def __init__(self, capacity_bytes: int, shared_slabs: bool = False, preallocate: bool = False) -> None:
         """shared_slabs: values live in /dev/shm segments that engines on this
-        host may map, so blocks can be lent (value_slabs.py)."""
+        host may map, so blocks can be lent (value_slabs.py). preallocate: all
+        of the capacity is allocated from the start, in the background (as a
+        serving store's memory ends up anyway), so no put waits for a new slab
+        and engines map every slab before they need it; otherwise a few GiB
+        are kept ready ahead of the puts."""
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
@@ -83,7 +87,8 @@ class MemoryBackend:
         # and slabs are cut into slots of one size, leaving a remainder).
         slab = min(SLAB_BYTES, max(capacity_bytes // 16, 1 << 20))
         self._slabs = ValueSlabs(max_bytes=capacity_bytes + 4 * slab, slab_bytes=slab,
-                                 ahead_bytes=min(AHEAD_BYTES, capacity_bytes // 8), shared=shared_slabs)
+                                 ahead_bytes=capacity_bytes if preallocate else min(AHEAD_BYTES, capacity_bytes // 8),
+                                 shared=shared_slabs)
         # Slots of values dropped while a reader still had them: back to the
         # slabs once it lets go (looked at by take_buffer).
         self._pending: list[memoryview] = []
@@ -450,10 +455,10 @@ class RedisBackend:
         self._client.close()
 
 
-def open_backend(spec: str, capacity_bytes: int, shared_slabs: bool = False) -> Backend:
-    """`memory` or a `redis://` / `rediss://` / `unix://` URL (shared_slabs: see MemoryBackend)."""
+def open_backend(spec: str, capacity_bytes: int, shared_slabs: bool = False, preallocate: bool = False) -> Backend:
+    """`memory` or a `redis://` / `rediss://` / `unix://` URL (shared_slabs, preallocate: see MemoryBackend)."""
     if spec == "memory":
-        return MemoryBackend(capacity_bytes, shared_slabs=shared_slabs)
+        return MemoryBackend(capacity_bytes, shared_slabs=shared_slabs, preallocate=preallocate)
     if spec.startswith(("redis://", "rediss://", "unix://")):
         return RedisBackend(spec)
     raise ValueError(f"unknown backend {spec!r}: use 'memory' or a URL such as redis://127.0.0.1:6379/0")

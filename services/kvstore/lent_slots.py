@@ -213,8 +213,9 @@ class LentSlots:
             sock.sendall(wire.request_header(op, keys) + wire.encode_lengths([length] * len(keys)))
             wire.read_status(sock)
             places = wire.read_places(sock, len(keys))
-            if any(slab >= 0 and slab not in self._slabs for slab, _ in places):
-                self._refresh(sock)  # slabs cut since we last asked
+            unmapped = {slab for slab, _ in places if slab >= 0 and slab not in self._slabs}
+            if unmapped:
+                self._refresh(sock, unmapped)  # slabs the watcher has not mapped yet
             views = [self._view(slab, offset, length) for slab, offset in places]
         except (OSError, ssl.SSLError, wire.ProtocolError, wire.RemoteError, ValueError) as exc:
             self._give_back(sock, ok=False)  # the store ends the connection's reservations and pins
@@ -231,9 +232,12 @@ class LentSlots:
         return mapped.view[offset:offset + length]
 
     # ---- slabs ------------------------------------------------------------------
-    def _refresh(self, sock: socket.socket) -> None:
-        """Ask the store for its slabs and map those not mapped yet (ValueError:
-        they are not in this host's /dev/shm, or cannot be pinned)."""
+    def _refresh(self, sock: socket.socket, needed: Optional[set[int]] = None) -> None:
+        """Ask the store for its slabs and map those not mapped yet: all of them
+        (the watcher), or only those in `needed` (a lease that found new ones).
+        ValueError: they are not in this host's /dev/shm, or cannot be pinned.
+        Each is mapped outside the lock, so a lease does not wait for the
+        watcher's whole batch; two threads mapping one slab keep one mapping."""
         sock.sendall(wire.request_header(wire.OP_SLABS, []))
         wire.read_status(sock)
         token = bytes(wire.recv_exactly(sock, TOKEN_BYTES))
@@ -250,12 +254,20 @@ class LentSlots:
                     self._slabs = {}
                 self._token = token
             self._retire_old()
-            for index, size, name in listed:
-                if index not in self._slabs:
-                    started = time.monotonic()
-                    self._slabs[index] = self._map(name, size, token)
-                    if self._observe is not None:
-                        self._observe("slots_map", time.monotonic() - started)
+        for index, size, name in listed:
+            if index in self._slabs or (needed is not None and index not in needed):
+                continue
+            started = time.monotonic()
+            slab = self._map(name, size, token)
+            with self._lock:
+                if self._token != token or index in self._slabs:
+                    keep = None
+                else:
+                    keep = self._slabs[index] = slab
+            if keep is None:  # mapped meanwhile by another thread, or the store changed
+                self._unmap(slab)
+            elif self._observe is not None:
+                self._observe("slots_map", time.monotonic() - started)
 
     def _map(self, name: str, size: int, token: bytes) -> _Slab:
         if not name.startswith(SLAB_PREFIX) or "/" in name:

@@ -273,6 +273,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                   "default engines on this host (same /dev/shm) map the store's slabs and copy blocks "
                   "between their GPU and the store's slots directly, one DMA each way; without room in "
                   "/dev/shm the store falls back to private memory by itself")
+    add_flag(parser, "--preallocate", type=bool, default=False,
+             help="memory backend: allocate all of --capacity-bytes at start, in the background, as vLLM "
+                  "and LMCache allocate their CPU caches: no put then waits for new memory, and engines "
+                  "on this host map every slab before a block needs it. Without it the store grows as "
+                  "values arrive (a few GiB kept ready ahead), and the first minutes of a busy store "
+                  "pay for that growth")
     add_flag(parser, "--metrics-port", type=int, default=0,
              help="HTTP port of this service's Prometheus /metrics; 0 turns it off")
     add_flag(parser, "--shutdown-timeout", type=float, default=5.0,
@@ -282,7 +288,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _open_backend_or_exit(args: argparse.Namespace) -> Backend:
     try:
-        return open_backend(args.backend, args.capacity_bytes, shared_slabs=not args.no_shared_slabs)
+        return open_backend(args.backend, args.capacity_bytes, shared_slabs=not args.no_shared_slabs,
+                            preallocate=args.preallocate)
     except ValueError as exc:
         raise SystemExit(f"error: --backend: {exc}")
 

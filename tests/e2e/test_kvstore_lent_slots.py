@@ -166,3 +166,18 @@ def test_the_engine_maps_the_stores_ready_slabs_before_any_slot_of_them_is_lent(
         assert len(mapped) == ahead  # the slot lent lay in a slab already mapped
     finally:
         slots.close()
+
+
+def test_a_preallocated_store_has_all_its_slabs_before_the_first_put():
+    proc = start_store("--backend", "memory", "--capacity", "16MiB", "--preallocate")
+    mapped = []
+    slots = LentSlots(proc.target, observe=lambda phase, seconds: mapped.append(phase))
+    try:
+        assert slots.usable()
+        deadline = time.monotonic() + 10
+        while len(mapped) < 16 and time.monotonic() < deadline:  # 1 MiB slabs for a 16 MiB store
+            time.sleep(0.05)
+        assert len(mapped) >= 16
+    finally:
+        slots.close()
+        proc.stop()

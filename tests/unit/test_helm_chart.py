@@ -169,6 +169,8 @@ def test_default_install_runs_every_role_on_cpu_with_memory_store(rendered):
         assert "nvidia.com/gpu" not in json.dumps(d.doc), d.name
         assert container(d)["args"][:2] == ["serve", d.role]
     assert env_of(deployments["demo-tandem-kvstore"])["TANDEM_BACKEND"] == "memory"
+    # Engines in other pods cannot map the store's /dev/shm: its values stay in private memory.
+    assert env_of(deployments["demo-tandem-kvstore"])["TANDEM_NO_SHARED_SLABS"] == "1"
     router = env_of(deployments["demo-tandem-router"])
     assert router["TANDEM_PREFILL"] == "demo-tandem-prefill:50061"
     assert router["TANDEM_DECODE"] == "demo-tandem-decode:50071"
