@@ -106,6 +106,10 @@ class StoreSlots(Protocol):
     def usable(self) -> bool:
         """Whether lending works now (asked of the store now and then; never raises)."""
 
+    def map_all(self, timeout_s: float) -> bool:
+        """Map every slab of the store now (before serving), waiting up to
+        timeout_s while it still allocates them; True once all are."""
+
     def set_aside(self, why: str) -> None:
         """Stop using it for a while (e.g. a reserve found no slot to lend)."""
 

@@ -79,6 +79,7 @@ class MemoryBackend:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
+        self.preallocate = preallocate
         self._values: OrderedDict[str, bytes] = OrderedDict()
         # Values live in slots of slabs (value_slabs.py says why), reused as
         # values are replaced or evicted. A small store (tests, a laptop) maps
@@ -87,7 +88,8 @@ class MemoryBackend:
         # and slabs are cut into slots of one size, leaving a remainder).
         slab = min(SLAB_BYTES, max(capacity_bytes // 16, 1 << 20))
         self._slabs = ValueSlabs(max_bytes=capacity_bytes + 4 * slab, slab_bytes=slab,
-                                 ahead_bytes=capacity_bytes if preallocate else min(AHEAD_BYTES, capacity_bytes // 8),
+                                 ahead_bytes=(capacity_bytes + 4 * slab) if preallocate
+                                 else min(AHEAD_BYTES, capacity_bytes // 8),
                                  shared=shared_slabs)
         # Slots of values dropped while a reader still had them: back to the
         # slabs once it lets go (looked at by take_buffer).
@@ -144,6 +146,14 @@ class MemoryBackend:
 
     def shared_slabs(self) -> list[tuple[int, str, int]]:
         return self._slabs.shared_slabs()
+
+    @property
+    def slabs_state(self) -> int:
+        """data_wire.SLABS_*: complete once all its capacity is allocated; before
+        that, allocating it (preallocate) or growing as values arrive."""
+        if self._slabs.complete:
+            return 2
+        return 1 if self.preallocate else 0
 
     def reserve_slot(self, size: int) -> Optional[tuple[memoryview, SlotPlace]]:
         """A free slot in a shared slab for a value of `size` (None: none to

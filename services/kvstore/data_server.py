@@ -135,8 +135,9 @@ class _Handler(socketserver.BaseRequestHandler):
         backend = self._lender(sock)
         if backend is None:
             return
+        state = backend.slabs_state  # asked first: a slab made after the list must not be missed
         slabs = backend.shared_slabs()
-        parts = [wire.OK, backend.slab_token, wire.COUNT.pack(len(slabs))]
+        parts = [wire.OK, backend.slab_token, bytes([state]), wire.COUNT.pack(len(slabs))]
         for index, name, size in slabs:
             raw = name.encode()
             parts.append(wire.SLAB.pack(index, size, len(raw)) + raw)

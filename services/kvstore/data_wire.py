@@ -27,8 +27,10 @@ A connection's attachment lasts as long as the connection.
 Where the engine can map the store's own slabs (value_slabs.py, shared=True;
 same host and /dev/shm), a block moves between its GPU and a slot of the
 store with no copy in between (lent_slots.py is the client):
-  SLABS    no keys -> the store's token (16 bytes), a u32 count, then per
-           slab a u32 index, u64 size and u16-length name;
+  SLABS    no keys -> the store's token (16 bytes), a u8 state (SLABS_*:
+           growing as values arrive, allocating all of its capacity now, or
+           complete), a u32 count, then per slab a u32 index, u64 size and
+           u16-length name;
   RESERVE  after the keys, per key a u64 length -> per key a PLACE (i32 slab,
            -1: none to lend, then u64 offset): a slot the client fills,
            invisible to every reader until committed;
@@ -65,6 +67,7 @@ SPAN = struct.Struct("<QQ")  # offset, length in the client's arena
 PLACE = struct.Struct("<iQ")  # a store slot: slab index (-1: none), offset in the slab
 SLAB = struct.Struct("<IQH")  # slab index, bytes, name length
 COUNT = struct.Struct("<I")
+SLABS_GROWING, SLABS_ALLOCATING, SLABS_COMPLETE = 0, 1, 2
 MAX_KEYS = 1 << 16  # per call: a request larger than this is refused as malformed
 MAX_KEY_BYTES = 1024
 

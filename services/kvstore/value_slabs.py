@@ -171,6 +171,12 @@ class ValueSlabs:
             return [(slab.index, slab.name, len(slab.map)) for slab in self.slabs.values() if slab.name is not None]
 
     @property
+    def complete(self) -> bool:
+        """Whether no more slabs will be made (all of max_bytes is mapped)."""
+        with self._lock:
+            return self._filling == 0 and self.slab_bytes + self.slab_size > self.max_bytes
+
+    @property
     def num_free(self) -> int:
         """Free slots already cut (ready slabs not counted)."""
         with self._lock:

@@ -181,3 +181,22 @@ def test_a_preallocated_store_has_all_its_slabs_before_the_first_put():
     finally:
         slots.close()
         proc.stop()
+
+
+def test_an_engine_maps_all_of_a_preallocating_store_before_it_serves():
+    proc = start_store("--backend", "memory", "--capacity", "64MiB", "--preallocate")
+    mapped = []
+    slots = LentSlots(proc.target, observe=lambda phase, seconds: mapped.append(phase))
+    try:
+        assert slots.map_all(timeout_s=30)  # waits while the store allocates (4 MiB slabs)
+        assert len(mapped) == 64 // 4 + 4  # the capacity and the four slabs over it the store allows
+    finally:
+        slots.close()
+        proc.stop()
+    grower = start_store("--backend", "memory", "--capacity", "64MiB")
+    slots = LentSlots(grower.target)
+    try:
+        assert not slots.map_all(timeout_s=30)  # a store that grows with its values is never all mapped
+    finally:
+        slots.close()
+        grower.stop()
