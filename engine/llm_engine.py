@@ -37,6 +37,11 @@ __all__ = ["EngineStats", "LLMEngine", "RequestOutput", "StepTimes"]
 
 log = logging.getLogger(__name__)
 
+# A step whose host time reaches this is logged (a decode step is 5-20 ms, a long
+# prefill step a few hundred), at most once every SLOW_STEP_LOG_S.
+SLOW_STEP_S = 0.5
+SLOW_STEP_LOG_S = 10.0
+
 
 @dataclass
 class StepTimes:
@@ -173,6 +178,7 @@ class LLMEngine:
                                                   pin_memory=self.runner.device.type == "cuda")
         self.last_step_empty = False
         self.step_times = StepTimes()
+        self._slow_step_logged = -SLOW_STEP_LOG_S
         # Outputs produced outside a model step (a decode's first tokens that
         # came from prefill), handed out by the next step().
         self._ready: list[RequestOutput] = []
@@ -445,7 +451,20 @@ class LLMEngine:
         t6 = clock()
         times.schedule, times.prepare, times.forward = t1 - t0, t2 - t1_loaded, t3 - t2
         times.sample, times.update, times.propose = t4 - t3, t5 - t4, t6 - t5
+        if t6 - t0 >= SLOW_STEP_S:
+            self._log_slow_step(t6 - t0, t1_loaded - t1, times, plan)
         return outputs
+
+    def _log_slow_step(self, seconds: float, loading: float, times, plan: SchedulerOutput) -> None:
+        """One line per slow step (at most every SLOW_STEP_LOG_S): where its host time went."""
+        now = time.monotonic()
+        if now - self._slow_step_logged < SLOW_STEP_LOG_S:
+            return
+        self._slow_step_logged = now
+        log.warning("a step took %.0f ms (%d entries): schedule %.1f, swaps and KV loads %.1f, prepare %.1f, "
+                    "forward %.1f, sample %.1f, update %.1f ms", seconds * 1e3, plan.num_entries,
+                    times.schedule * 1e3, loading * 1e3, times.prepare * 1e3, times.forward * 1e3,
+                    times.sample * 1e3, times.update * 1e3)
 
     def _defers(self, requests: list[Request]) -> bool:
         """Whether this step's tokens may stay on the device while the next

@@ -17,6 +17,7 @@ import time
 from tandem.engine.config import ConfigError, EngineArgs, EngineConfig
 from tandem.services.common.config import add_flag, config_error
 from tandem.services.common.engine_metrics import EngineMetrics
+from tandem.services.common.gc_pauses import freeze_startup_objects, watch_pauses
 from tandem.services.common.grpc_server import add_tls_arguments, tls_from_args
 from tandem.services.common.role_servicer import Admission
 
@@ -132,6 +133,9 @@ async def run_engine_service(args: argparse.Namespace, *, role: str, kv_role: st
     except ConfigError as exc:  # found while loading (a draft model of another vocabulary)
         config_error(str(exc))
     log.info("%s: model %s loaded in %.1fs", role, engine.model_id, time.monotonic() - t0)
+    frozen = freeze_startup_objects()  # no full collection walks them again (gc_pauses.py says why)
+    watch_pauses()
+    log.info("%s: %d objects made while loading are frozen out of garbage collection", role, frozen)
     metrics = EngineMetrics(engine, role)
     start_metrics_server(args.metrics_port, host=args.host)
     poller = asyncio.create_task(metrics.poll_forever())
