@@ -157,17 +157,38 @@ class MemoryBackend:
 
     def reserve_slot(self, size: int) -> Optional[tuple[memoryview, SlotPlace]]:
         """A free slot in a shared slab for a value of `size` (None: none to
-        lend); it becomes a value with put(), or goes back with unreserve()."""
+        lend); it becomes a value with put(), or goes back with unreserve().
+        With every slot in use, the least recently used values are evicted
+        until one frees, as a put makes room: reservations under way must
+        not outgrow the slack the slabs have over the capacity."""
         if size <= 0 or size > self.capacity_bytes:
             return None
-        if self._pending:
-            self._reclaim()
-        slot = self._slabs.take(size, slot=True)
-        place = self._slabs.place(slot)
-        if place is None:
-            self._slabs.give(slot)
-            return None
-        return slot, place
+        while True:
+            if self._pending:
+                self._reclaim()
+            slot = self._slabs.take(size, slot=True)
+            if slot is not None:
+                place = self._slabs.place(slot)
+                if place is not None:
+                    return slot, place
+                self._slabs.give(slot)  # a slot of private memory: nothing to lend
+                return None
+            if not self._evict_oldest(size):
+                return None
+
+    def _evict_oldest(self, size: int) -> bool:
+        """Evict the least recently used value of `size` bytes, whose slot fits
+        (False: none left). Its slot frees now, or once its readers let go."""
+        with self._lock:
+            key = next((k for k, v in self._values.items() if len(v) == size), None)
+            if key is None:
+                return False
+            evicted = self._values.pop(key)
+            self._bytes -= len(evicted)
+            self._evictions += 1
+            self._keep_spare(evicted)
+            del evicted
+            return True
 
     def unreserve(self, slot: memoryview) -> None:
         """A reserved slot that never became a value."""

@@ -116,12 +116,15 @@ class ValueSlabs:
         for filler in self._fillers:
             filler.start()
 
-    def take(self, size: int, slot: bool = False) -> Buffer:
+    def take(self, size: int, slot: bool = False) -> Optional[Buffer]:
         """A writable buffer of `size` bytes, its contents undefined. slot=True:
-        a slot of a slab even below MIN_SLOT_BYTES (a value to lend)."""
+        a slot of a slab even below MIN_SLOT_BYTES (a value to lend), or None
+        when no slot is free and no more slabs may be made."""
         if size < MIN_SLOT_BYTES and not (slot and size > 0):
             return bytearray(size)
         if size > self.slab_size:
+            if slot:
+                return None
             with self._lock:
                 self.num_fresh += 1
             return mmap.mmap(-1, size)
@@ -141,6 +144,8 @@ class ValueSlabs:
                     self._cut(cls, slab)
             if cls.free:
                 return cls.free.pop()
+            if slot:
+                return None
             self.num_fresh += 1
         return mmap.mmap(-1, size)
 

@@ -200,3 +200,23 @@ def test_an_engine_maps_all_of_a_preallocating_store_before_it_serves():
     finally:
         slots.close()
         grower.stop()
+
+
+def test_reservations_beyond_the_stores_slack_evict_the_oldest_values(store):
+    # 16 MiB of capacity in 1 MiB slabs of three values each, 20 slabs at most: 60 slots, a few
+    # more than the 53 values the capacity holds. 48 reservations at once, uncommitted, beside 40
+    # values must make room by evicting the oldest, not fail.
+    slots, control = LentSlots(store.target), KVStoreClient(store.target)
+    try:
+        for i in range(40):
+            assert lent_put(slots, [f"old-{i}"], bytes([i]) * VALUE) == 1
+        pinned = slots.pin(["old-39"], VALUE)  # the newest: not evicted by what follows
+        held = [slots.reserve([f"new-{i}-{j}" for j in range(8)], VALUE) for i in range(6)]
+        assert all(lease.num_lent == 8 for lease in held)
+        assert not any(control.exists([f"old-{i}" for i in range(20)]))  # the oldest made room
+        assert bytes(pinned.views[0]) == bytes([39]) * VALUE
+        for lease in held:
+            lease.release()
+        pinned.release()
+    finally:
+        slots.close(), control.close()
