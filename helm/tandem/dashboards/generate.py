@@ -155,6 +155,8 @@ def engine(role, title, signal_rows):
                   "Decode requests waiting for blocks their prefill was still writing to the store (it answers before they land)."),
             panel("Where transfer time goes", [(f"sum by (phase) (rate(tandem:kv_transfer_phase_seconds_total{sel(role)}[{R}])) / sum by (phase) (rate(tandem:kv_transfer_phases_total{sel(role)}[{R}]))", "{{phase}}")], "s",
                   "Mean seconds of each phase of a KV transfer (engine/connector/base.py KV_PHASES): slot waits, copies, puts, lookups, loads."),
+            panel("Blocks through the store's lent slots", [(f"sum by (direction) (rate(tandem:kv_store_lent_blocks_total{sel(role)}[{R}]))", "{{direction}}")], "short",
+                  "Blocks copied straight between the cache and the kvstore's own memory (same host, --kv-store-slots); the rest of the blocks went through the staging arena."),
             panel("Host tier blocks per second", [(f"sum(rate(tandem:kv_swapped_out_blocks_total{sel(role)}[{R}]))", "swapped out"),
                                                   (f"sum(rate(tandem:kv_swapped_in_blocks_total{sel(role)}[{R}]))", "swapped in"),
                                                   (f"sum(rate(tandem:kv_host_hit_blocks_total{sel(role)}[{R}]))", "restored by hash")], "short",
