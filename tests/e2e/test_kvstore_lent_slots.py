@@ -105,8 +105,9 @@ def test_slabs_that_are_not_the_stores_are_never_used(store):
     slots = LentSlots(store.target)
     try:
         assert lent_put(slots, ["x"], b"\x44" * VALUE) == 1
-        # What an engine in another pod would find: a segment of that name, another token.
-        for name in slabs_of(store.process.pid):
+        # What an engine in another pod would find: a segment of that name, another token. (The
+        # slabs this client mapped: a slab the store is making at this moment has no token yet.)
+        for name in [slab.name for slab in slots._slabs.values()]:
             with open(os.path.join(SHM_DIR, name), "r+b") as f:
                 f.seek(-16, os.SEEK_END)
                 f.write(bytes(16))
