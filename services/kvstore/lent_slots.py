@@ -142,16 +142,18 @@ class LentSlots:
 
     # ---- whether to use it ------------------------------------------------------
     def usable(self) -> bool:
-        """Whether this store lends slots this engine can map (asked of the
-        store at most once per RETRY_S after a no); never raises."""
+        """Whether this store lends slots this engine can map; never raises.
+        A store that lends nothing here (Redis, --no-shared-slabs, another
+        host's /dev/shm) is asked again only after RETRY_S. One that cannot
+        be reached is asked again at the next call: the arena path would fail
+        as well, and a restarted store should be lending again at once."""
         if time.monotonic() < self._unusable_until:
             return False
         if self._checked:
             return True
         try:
             sock = self._borrow()
-        except KVStoreUnavailable as exc:
-            self._set_aside(str(exc))
+        except KVStoreUnavailable:
             return False
         try:
             self._refresh(sock)
@@ -159,8 +161,11 @@ class LentSlots:
             self._give_back(sock, ok=True)
             self._set_aside(str(exc))
             return False
-        except (OSError, ssl.SSLError, wire.ProtocolError, ValueError) as exc:
-            self._give_back(sock, ok=isinstance(exc, ValueError))
+        except (OSError, ssl.SSLError, wire.ProtocolError):  # the store went away mid-answer
+            self._give_back(sock, ok=False)
+            return False
+        except ValueError as exc:  # its slabs are not here, or cannot be page-locked (after ProtocolError,
+            self._give_back(sock, ok=True)  # which is one too)
             self._set_aside(str(exc))
             return False
         self._give_back(sock, ok=True)
@@ -205,7 +210,10 @@ class LentSlots:
                 return False
             try:
                 complete = self._refresh(sock)
-            except (OSError, ssl.SSLError, wire.ProtocolError, wire.RemoteError, ValueError) as exc:
+            except (OSError, ssl.SSLError, wire.ProtocolError):  # gone mid-answer: usable() asks again
+                self._give_back(sock, ok=False)
+                return False
+            except (wire.RemoteError, ValueError) as exc:  # nothing lent here: as usable() decides
                 self._give_back(sock, ok=False)
                 self._set_aside(str(exc))
                 return False
