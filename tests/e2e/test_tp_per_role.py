@@ -42,14 +42,18 @@ def model(tmp_path_factory):
     return {"path": path, "prompts": prompts, "texts": [o.outputs[0].text for o in outputs]}
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp,transfer", [(2, 1, "store"), (1, 2, "store"), (2, 2, "direct")],
-                         ids=["prefill-tp2-decode-tp1", "prefill-tp1-decode-tp2", "direct-tp2-to-tp2"])
-def test_a_prefill_hands_kv_to_a_decode_of_another_tensor_parallel_size(model, prefill_tp, decode_tp, transfer):
+@pytest.mark.parametrize("prefill_tp,decode_tp,transfer,slots",
+                         [(2, 1, "store", "on"), (1, 2, "store", "off"), (2, 2, "direct", "off")],
+                         ids=["prefill-tp2-decode-tp1-lent-slots", "prefill-tp1-decode-tp2", "direct-tp2-to-tp2"])
+def test_a_prefill_hands_kv_to_a_decode_of_another_tensor_parallel_size(model, prefill_tp, decode_tp, transfer,
+                                                                        slots):
     """direct: the decode copies each block's heads out of both prefill
     ranks' shared caches and hands its own rank 1 its half (both sides'
-    tensor-parallel paths of the direct transfer in one stack)."""
+    tensor-parallel paths of the direct transfer in one stack). The first
+    store case moves blocks through the store's lent slots, the second
+    through the staging arena."""
     stack = TandemStack(StackOptions(private=True, extra_args=(
-        "--model", model["path"], "--num-blocks", "64", "--kv-transfer", transfer,
+        "--model", model["path"], "--num-blocks", "64", "--kv-transfer", transfer, "--kv-store-slots", slots,
         "--prefill-tensor-parallel-size", str(prefill_tp), "--decode-tensor-parallel-size", str(decode_tp))))
     try:
         stack.start()
@@ -68,5 +72,7 @@ def test_a_prefill_hands_kv_to_a_decode_of_another_tensor_parallel_size(model, p
         assert stack.metric("decode-0", "tandem:prompt_tokens_by_source_total",
                             source="external_kv_transfer") == full_blocks * BLOCK
         assert stack.metric("decode-0", "tandem:kv_recompute_fallbacks_total") == 0
+        assert stack.metric("decode-0", "tandem:kv_store_lent_blocks_total", direction="load") == (
+            full_blocks if slots == "on" else 0)
     finally:
         stack.stop()
