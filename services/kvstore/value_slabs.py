@@ -132,20 +132,30 @@ class ValueSlabs:
             cls = self._classes.get(size)
             if cls is None:
                 cls = self._classes[size] = _SizeClass(size)
+            making = False
             if not cls.free:
                 if self._ready:
                     self._cut(cls, self._ready.pop(0))  # the oldest: engines have likely mapped it by now
                     self._lock.notify_all()  # a filler makes the next one
                 elif self.slab_bytes + self.slab_size <= self.max_bytes and not self._closed:
-                    # The puts got ahead of the fillers: a slab now, its pages faulted by the copies.
+                    # The puts got ahead of the fillers: a slab now (its room taken here), made
+                    # outside the lock (a shared one is allocated first: about 0.1 s for 256 MiB),
+                    # its pages faulted by the copies.
                     self.slab_bytes += self.slab_size
-                    slab = self._new_slab()
-                    self._listed(slab)
-                    self._cut(cls, slab)
+                    making = True
             if cls.free:
                 return cls.free.pop()
-            if slot:
-                return None
+        if making:
+            slab = self._new_slab()
+            with self._lock:
+                if not self._closed:
+                    self._listed(slab)
+                    self._cut(cls, slab)
+                    return cls.free.pop()
+            _unlink(slab.name)
+        if slot:
+            return None
+        with self._lock:
             self.num_fresh += 1
         return mmap.mmap(-1, size)
 
