@@ -4,7 +4,9 @@ process, whose slabs are /dev/shm segments, and the engine's client of them
 value, readable over the socket too; a pinned value stays put while it is
 pinned although the store evicts and reuses around it; a connection that
 ends drops what it reserved; slabs whose token is not the store's are never
-used; a killed store's slabs are removed by the next store."""
+used; a killed store's slabs are removed by the next store; the engine maps
+slabs before any slot of them is lent (all of a preallocating store's before
+it serves); reservations beyond the slabs' slack evict the oldest values."""
 from __future__ import annotations
 
 import os
