@@ -299,16 +299,15 @@ def _on_gpu(total: int, block: int):
 
 
 def _cuda_pin(view) -> bool:
-    import torch
+    from tandem.engine.connector.staging import pin_host_memory
 
-    held = torch.frombuffer(view, dtype=torch.uint8)
-    return int(torch.cuda.cudart().cudaHostRegister(held.data_ptr(), held.numel(), 0)) == 0
+    return pin_host_memory(view) == 0
 
 
 def _cuda_unpin(view) -> None:
-    import torch
+    from tandem.engine.connector.staging import unpin_host_memory
 
-    torch.cuda.cudart().cudaHostUnregister(torch.frombuffer(view, dtype=torch.uint8).data_ptr())
+    unpin_host_memory(view)
 
 
 def lent_paths(target: str, total: int, block: int, device: str = "cpu"

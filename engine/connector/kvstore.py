@@ -37,7 +37,7 @@ import torch
 
 from tandem.engine.connector.base import KVCacheLayout, KVConnector, KVStore, StoreSlots
 from tandem.engine.connector.serialization import HEADER_BYTES, BlockFormatError, block_header, check_block_header
-from tandem.engine.connector.staging import StagingArena
+from tandem.engine.connector.staging import StagingArena, pin_host_memory, unpin_host_memory
 from tandem.engine.connector.store_plan import Prefetched, StoreLoad, StoreMeta, StoreSave
 
 log = logging.getLogger(__name__)
@@ -117,14 +117,7 @@ class _BlockBudget:
 
 
 def _pin_for_cuda(view: memoryview) -> bool:
-    """Page-lock host memory for DMA (cudaHostRegister); False where CUDA refuses."""
-    holder = torch.frombuffer(view, dtype=torch.uint8)
-    return int(torch.cuda.cudart().cudaHostRegister(holder.data_ptr(), holder.numel(), 0)) == 0
-
-
-def _unpin_for_cuda(view: memoryview) -> None:
-    holder = torch.frombuffer(view, dtype=torch.uint8)
-    torch.cuda.cudart().cudaHostUnregister(holder.data_ptr())
+    return pin_host_memory(view) == 0
 
 
 class KVStoreConnector(KVConnector):
@@ -418,7 +411,7 @@ class KVStoreConnector(KVConnector):
         if lend and opener is not None:
             cuda = kv_cache.is_cuda
             self.slots = opener(pin_memory=_pin_for_cuda if cuda else None,
-                                unpin_memory=_unpin_for_cuda if cuda else None, observe=self.stats.observe)
+                                unpin_memory=unpin_host_memory if cuda else None, observe=self.stats.observe)
             # Every slab the store has, mapped and page-locked before this engine serves: about 47 ms
             # a 256 MiB slab on the H200 host (9 s for a 48 GiB store), which no transfer should wait for.
             started = time.monotonic()

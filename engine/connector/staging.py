@@ -30,6 +30,20 @@ ALIGN = 64
 log = logging.getLogger(__name__)
 
 
+def pin_host_memory(buffer) -> int:
+    """Page-lock a writable host buffer (bytes-like or a CPU tensor) for DMA
+    (cudaHostRegister); returns CUDA's error code, 0 on success. Undo it with
+    unpin_host_memory before the memory goes: a registration left behind
+    refuses to pin a later mapping at the same address (CUDA error 712)."""
+    held = buffer if isinstance(buffer, torch.Tensor) else torch.frombuffer(buffer, dtype=torch.uint8)
+    return int(torch.cuda.cudart().cudaHostRegister(held.data_ptr(), held.numel() * held.element_size(), 0))
+
+
+def unpin_host_memory(buffer) -> None:
+    held = buffer if isinstance(buffer, torch.Tensor) else torch.frombuffer(buffer, dtype=torch.uint8)
+    torch.cuda.cudart().cudaHostUnregister(held.data_ptr())
+
+
 class StagingArena:
     def __init__(self, memory: memoryview, layout: KVCacheLayout) -> None:
         self.layout = layout
@@ -57,21 +71,19 @@ class StagingArena:
         e.g. a locked-memory limit: copies then work as before, only slower)."""
         if self.pinned:
             return True
-        nbytes = self._raw.numel()
-        code = torch.cuda.cudart().cudaHostRegister(self._raw.data_ptr(), nbytes, 0)
-        if int(code) != 0:
+        code = pin_host_memory(self._raw)
+        if code != 0:
             log.warning("could not pin the %.0f MiB KV staging arena (CUDA error %s): its copies to and from "
-                        "the GPU stay synchronous", nbytes / 2**20, int(code))
+                        "the GPU stay synchronous", self._raw.numel() / 2**20, code)
             return False
         self.pinned = True
         return True
 
     def unpin(self) -> None:
-        """Undo pin() (before the memory goes: a registration left behind would
-        refuse to pin a later mapping at the same address, CUDA error 712)."""
+        """Undo pin(), before the memory goes (see unpin_host_memory)."""
         if self.pinned:
             self.pinned = False
-            torch.cuda.cudart().cudaHostUnregister(self._raw.data_ptr())
+            unpin_host_memory(self._raw)
 
     @staticmethod
     def slot_size(layout: KVCacheLayout) -> int:
