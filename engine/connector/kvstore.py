@@ -446,32 +446,25 @@ class KVStoreConnector(KVConnector):
         assert result.hashes[offset:offset + k] == load.block_hashes, "prefetch does not match the load"
         cache = self.cache_view  # whole blocks: [layers, 2, blocks, block_size, kv_heads, head_dim]
         ids = torch.tensor(load.block_ids, device=cache.device)
-        copied = None
+        staged = None  # the arena's run of slots, [k, layers, 2, ...]: one tensor
         if result.lease is not None:  # the store's own slots: one copy per block straight from them
             sources = [self._slot_block(view) for view in result.lease.views[offset:offset + k]]
-            if cache.device.type == "cuda":
-                on_device = torch.empty((k, *self.arena.block_shape), dtype=cache.dtype, device=cache.device)
-                # One DMA per block (the slab is page-locked), queued in one call.
-                torch._foreach_copy_(list(on_device.unbind(0)), sources, non_blocking=True)
-                cache.write_blocks(ids, on_device.permute(1, 2, 0, 3, 4, 5))
-                copied = torch.cuda.current_stream(cache.device).record_event()
-            else:
-                cache.write_blocks(ids, torch.stack(sources).permute(1, 2, 0, 3, 4, 5).to(cache.device))
-            self._count_load(result, k, started)
             self.stats.load_blocks_lent += k
-            return copied
-        staged = self.arena.blocks[result.slot + offset:result.slot + offset + k]  # [k, layers, 2, ...]
-        if self.arena.pinned:
-            # One DMA per block (each slot's data is contiguous; a run is not,
-            # headers sit between), then one scatter on the device, in stream
-            # order. Waiting for them here held every running request for 8.6 ms
-            # per 272 MiB load (H200).
-            on_device = torch.empty(staged.shape, dtype=staged.dtype, device=cache.device)
-            for i in range(k):
-                on_device[i].copy_(staged[i], non_blocking=True)
+        else:
+            staged = self.arena.blocks[result.slot + offset:result.slot + offset + k]
+            sources = list(staged.unbind(0))
+        copied = None
+        if cache.device.type == "cuda" and (result.lease is not None or self.arena.pinned):
+            # One DMA per block from page-locked memory (a slab, or the pinned arena, whose
+            # slots' data is contiguous but a run's is not: headers sit between), queued in
+            # one call, then one scatter on the device, in stream order. Waiting for them
+            # here held every running request for 8.6 ms per 272 MiB load (H200).
+            on_device = torch.empty((k, *self.arena.block_shape), dtype=cache.dtype, device=cache.device)
+            torch._foreach_copy_(list(on_device.unbind(0)), sources, non_blocking=True)
             cache.write_blocks(ids, on_device.permute(1, 2, 0, 3, 4, 5))
             copied = torch.cuda.current_stream(cache.device).record_event()
         else:
+            staged = torch.stack(sources) if staged is None else staged
             cache.write_blocks(ids, staged.permute(1, 2, 0, 3, 4, 5).to(cache.device, non_blocking=True))
         self._count_load(result, k, started)
         return copied
@@ -622,9 +615,16 @@ class KVStoreConnector(KVConnector):
         if ready is None:
             torch._foreach_copy_(into, out_of)  # one call for all: one GIL release, not one per block
             return None
+        return self._queue_to_host(into, out_of, ready)
+
+    def _queue_to_host(self, into: list[torch.Tensor], out_of: list[torch.Tensor],
+                       ready: "torch.cuda.Event") -> "torch.cuda.Event":
+        """Queue out_of[i] (device) -> into[i] (page-locked host), one DMA each in one call,
+        on the connector's copy stream after `ready`, so they run beside the next step's
+        kernels instead of ahead of them; returns the event that marks them done."""
         with torch.cuda.stream(self._copy_stream):
             self._copy_stream.wait_event(ready)
-            torch._foreach_copy_(into, out_of, non_blocking=True)  # one DMA per block: the slab is page-locked
+            torch._foreach_copy_(into, out_of, non_blocking=True)
             return self._copy_stream.record_event()
 
     def _commit_lent(self, lease, copied: Optional["torch.cuda.Event"], n: int, step: "_StepSave") -> None:
@@ -657,19 +657,16 @@ class KVStoreConnector(KVConnector):
         self._count_saved(0, step)
 
     def _copy_to_arena(self, meta: StoreMeta) -> "torch.cuda.Event":
-        """Queue the step's gathered blocks' copies into their pinned slots on a
-        stream of their own, so the DMA runs beside the next step's kernels
-        instead of ahead of them; returns the event that marks them done."""
+        """Queue the step's gathered blocks' copies into their pinned slots (one
+        DMA per block: headers sit between the slots); returns the event that
+        marks them done."""
         device = self.cache_view.device
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(device)
         gathered = torch.cuda.current_stream(device).record_event()
         on_device, meta.save_on_device = meta.save_on_device, None
-        with torch.cuda.stream(self._copy_stream):
-            self._copy_stream.wait_event(gathered)
-            for i in range(meta.num_save_blocks):  # one DMA per block: headers sit between the slots
-                self.arena.blocks[meta.save_slot + i].copy_(on_device[i], non_blocking=True)
-            copied = self._copy_stream.record_event()
+        slots = self.arena.blocks[meta.save_slot:meta.save_slot + meta.num_save_blocks]
+        copied = self._queue_to_host(list(slots.unbind(0)), list(on_device.unbind(0)), gathered)
         # The allocator must not hand its memory to the compute stream before these copies are done.
         on_device.record_stream(self._copy_stream)
         return copied
