@@ -149,7 +149,6 @@ class KVStoreConnector(KVConnector):
         # Reservations of the store's own slots, asked at a step's first layer and
         # answered while the others run (commits wait on the saver threads).
         self._reserver = ThreadPoolExecutor(max_workers=SAVE_THREADS, thread_name_prefix="kv-reserve")
-        self.slots_timeout_s = SAVE_SLOT_WAIT_S
         self._unfinished_lent: Optional[tuple[list[Future], int]] = None  # (reservations, blocks) of this step
         self._saves: list[Future] = []  # puts still running
         self._stats_lock = threading.Lock()  # the saver and loader threads count into self.stats
@@ -581,7 +580,7 @@ class KVStoreConnector(KVConnector):
             n = min(PUT_CHUNK_BLOCKS, gathered.shape[0] - first)
             waited = time.monotonic()
             try:
-                lease = reservation.result(timeout=self.slots_timeout_s)
+                lease = reservation.result(timeout=SAVE_SLOT_WAIT_S)
             except Exception as exc:
                 self._lent_save_failed(exc, n, step)
                 continue

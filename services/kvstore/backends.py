@@ -194,13 +194,13 @@ class MemoryBackend:
         """A reserved slot that never became a value."""
         self._slabs.give(slot)
 
-    def pin(self, keys: Sequence[str], length: int) -> list[Optional[tuple[memoryview, SlotPlace]]]:
-        """Each key's value and where it lies, when it is `length` bytes in a
+    def pin(self, keys: Sequence[str], lengths: Sequence[int]) -> list[Optional[tuple[memoryview, SlotPlace]]]:
+        """Each key's value and where it lies, when it is lengths[i] bytes in a
         shared slab (None otherwise). The caller's reference keeps the slot
         from reuse (_keep_spare) until it drops it. Counts as a get."""
         out: list[Optional[tuple[memoryview, SlotPlace]]] = []
         with self._lock:
-            for key in keys:
+            for key, length in zip(keys, lengths):
                 value = self._values.get(key)
                 place = self._slabs.place(value) if value is not None and len(value) == length else None
                 if place is None:

@@ -187,8 +187,7 @@ class _Handler(socketserver.BaseRequestHandler):
         if backend is None:
             return
         places, nbytes = [], 0
-        for key, length in zip(keys, lengths):
-            (lent,) = backend.pin([key], length)
+        for key, length, lent in zip(keys, lengths, backend.pin(keys, lengths)):
             if lent is None:
                 places.append((-1, 0))
                 continue

@@ -151,29 +151,39 @@ class LentSlots:
             return False
         if self._checked:
             return True
-        try:
-            sock = self._borrow()
-        except KVStoreUnavailable:
+        if self._ask() is None:
             return False
-        try:
-            self._refresh(sock)
-        except wire.RemoteError as exc:  # the store lends nothing (Redis, --no-shared-slabs)
-            self._give_back(sock, ok=True)
-            self._set_aside(str(exc))
-            return False
-        except (OSError, ssl.SSLError, wire.ProtocolError):  # the store went away mid-answer
-            self._give_back(sock, ok=False)
-            return False
-        except ValueError as exc:  # its slabs are not here, or cannot be page-locked (after ProtocolError,
-            self._give_back(sock, ok=True)  # which is one too)
-            self._set_aside(str(exc))
-            return False
-        self._give_back(sock, ok=True)
         self._checked = True
         if self._watcher is None:
             self._watcher = threading.Thread(target=self._watch, name="kv-slabs", daemon=True)
             self._watcher.start()
         return True
+
+    def _ask(self) -> Optional[bool]:
+        """Map the store's slabs now (_refresh on a connection of its own): True
+        when that is all it will ever have, False when it may make more, None
+        when it could not be asked or lends nothing here. A store that lends
+        nothing here (Redis, --no-shared-slabs, another host's /dev/shm) is
+        set aside for RETRY_S; one that cannot be reached is not (see usable)."""
+        try:
+            sock = self._borrow()
+        except KVStoreUnavailable:
+            return None
+        try:
+            complete = self._refresh(sock)
+        except wire.RemoteError as exc:  # the store lends nothing (Redis, --no-shared-slabs)
+            self._give_back(sock, ok=True)
+            self._set_aside(str(exc))
+            return None
+        except (OSError, ssl.SSLError, wire.ProtocolError):  # the store went away mid-answer
+            self._give_back(sock, ok=False)
+            return None
+        except ValueError as exc:  # its slabs are not here, or cannot be page-locked (after ProtocolError,
+            self._give_back(sock, ok=True)  # which is one too)
+            self._set_aside(str(exc))
+            return None
+        self._give_back(sock, ok=True)
+        return complete
 
     def _watch(self) -> None:
         """Map (and page-lock) the store's slabs as it makes them, off the leases' path."""
@@ -204,20 +214,9 @@ class LentSlots:
             return False
         deadline = time.monotonic() + timeout_s
         while True:
-            try:
-                sock = self._borrow()
-            except KVStoreUnavailable:
+            complete = self._ask()
+            if complete is None:
                 return False
-            try:
-                complete = self._refresh(sock)
-            except (OSError, ssl.SSLError, wire.ProtocolError):  # gone mid-answer: usable() asks again
-                self._give_back(sock, ok=False)
-                return False
-            except (wire.RemoteError, ValueError) as exc:  # nothing lent here: as usable() decides
-                self._give_back(sock, ok=False)
-                self._set_aside(str(exc))
-                return False
-            self._give_back(sock, ok=True)
             if complete:
                 return True
             if time.monotonic() > deadline or self._store_state != wire.SLABS_ALLOCATING:
