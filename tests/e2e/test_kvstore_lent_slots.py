@@ -37,6 +37,12 @@ def slabs_of(pid: int) -> list[str]:
     return [n for n in os.listdir(SHM_DIR) if n.startswith(f"{SLAB_PREFIX}{pid}-")]
 
 
+def mapping_client(target: str) -> tuple[LentSlots, list[str]]:
+    """A client, and the phases it reports as it maps the store's slabs (one "slots_map" each)."""
+    mapped: list[str] = []
+    return LentSlots(target, observe=lambda phase, seconds: mapped.append(phase)), mapped
+
+
 def lent_put(slots: LentSlots, keys: list[str], fill: bytes) -> int:
     lease = slots.reserve(keys, VALUE)
     assert lease.num_lent == len(keys)
@@ -156,8 +162,7 @@ def test_a_killed_stores_slabs_are_removed_by_the_next_store():
 
 def test_the_engine_maps_the_stores_ready_slabs_before_any_slot_of_them_is_lent(store):
     # Mapping and page-locking a slab is slow on a GPU host: it must happen off the leases' path.
-    mapped = []
-    slots = LentSlots(store.target, observe=lambda phase, seconds: mapped.append(phase))
+    slots, mapped = mapping_client(store.target)
     try:
         assert slots.usable()
         deadline = time.monotonic() + 5
@@ -173,8 +178,7 @@ def test_the_engine_maps_the_stores_ready_slabs_before_any_slot_of_them_is_lent(
 
 def test_a_preallocated_store_has_all_its_slabs_before_the_first_put():
     proc = start_store("--backend", "memory", "--capacity", "16MiB", "--preallocate")
-    mapped = []
-    slots = LentSlots(proc.target, observe=lambda phase, seconds: mapped.append(phase))
+    slots, mapped = mapping_client(proc.target)
     try:
         assert slots.usable()
         deadline = time.monotonic() + 10
@@ -188,8 +192,7 @@ def test_a_preallocated_store_has_all_its_slabs_before_the_first_put():
 
 def test_an_engine_maps_all_of_a_preallocating_store_before_it_serves():
     proc = start_store("--backend", "memory", "--capacity", "64MiB", "--preallocate")
-    mapped = []
-    slots = LentSlots(proc.target, observe=lambda phase, seconds: mapped.append(phase))
+    slots, mapped = mapping_client(proc.target)
     try:
         assert slots.map_all(timeout_s=30)  # waits while the store allocates (4 MiB slabs)
         assert len(mapped) == 64 // 4 + 4  # the capacity and the four slabs over it the store allows

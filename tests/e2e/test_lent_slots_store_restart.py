@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.support.stack import StackOptions, TandemStack
+from tests.support.stack import StackOptions, TandemStack, owned_stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -22,14 +22,8 @@ POLL_S = 1.5  # engine metrics are polled every 0.5 s
 
 @pytest.fixture(scope="module")
 def stack():
-    options = StackOptions(prefill=1, decode=1, private=True,
-                           extra_args=("--num-blocks", "300", "--kv-store-slots", "on"))
-    stack = TandemStack(options)
-    try:
-        stack.start()
-        yield stack
-    finally:
-        stack.stop()
+    yield from owned_stack(StackOptions(prefill=1, decode=1, private=True,
+                                        extra_args=("--num-blocks", "300", "--kv-store-slots", "on")))
 
 
 def prompt(seed: int) -> list[int]:
