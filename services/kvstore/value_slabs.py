@@ -38,6 +38,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from tandem.services.kvstore.shared_arena import SHM_DIR, TOKEN_BYTES  # segments and their tokens, as the arena's
+
 SLAB_BYTES = 256 * 1024 * 1024
 AHEAD_BYTES = 2 * 1024 * 1024 * 1024  # faulted-in slabs kept ready: more than a prefill step's saves
 FILL_THREADS = 2  # one faults in 2-3 GB/s; a serving store takes 4-5 GB/s in bursts
@@ -50,8 +52,6 @@ _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 Buffer = Union[memoryview, bytearray, mmap.mmap]
 SLAB_PREFIX = "tandem-kvslab-"
-TOKEN_BYTES = 16
-SHM_DIR = "/dev/shm"
 
 log = logging.getLogger(__name__)
 
