@@ -2,7 +2,7 @@
 # The GPU figures of docs/benchmarks.md, in one go, from the repository root on a
 # CUDA machine whose Python has torch, triton and transformers (the lent H100
 # image has them; see ../shared/device/README.md). OUT: where JSON results go.
-# Usage: bash bench/gpu_figures.sh [kernels|tests|latency|throughput|tp|tp-tests|kv]...
+# Usage: bash bench/gpu_figures.sh [kernels|tests|latency|throughput|tp|tp-tests|kv|warmup]...
 # kernels: the decode sweep (fused vs two-launch reduce, tiles, splits per SM) on
 # SWEEP_SHAPES (set it empty to skip the sweep), then the whole decode table with
 # the defaults.
@@ -57,6 +57,14 @@ for what in "${@:-tests latency throughput}"; do
       timeout 120 python -m pytest -q -rxXs -p no:cacheprovider tests/gpu/test_kv_store_gpu.py 2>&1 | tail -5
       timeout 180 python -m tandem.bench.kv --device cuda --size-mib 256 --repeats 3 --backends memory \
         --busy 0,1 --output-json "$OUT/kv_cuda.json" 2>&1 | tail -9 ;;
+    warmup)  # the kernel warm-up: no Triton compile while serving (the GPU test), then what it
+      # costs a start with Triton's cache empty, as a new pod's, with it and without it
+      timeout 400 python -m pytest -q -rxXs -p no:cacheprovider tests/gpu/test_kernel_warmup_gpu.py 2>&1 | tail -8
+      for flag in "" --no-kernel-warmup; do
+        TRITON_CACHE_DIR=$(mktemp -d) timeout 240 python -m tandem.bench.latency --preset llama-3-8b \
+          --batch-sizes 1,64 --context 512 --steps 20 $flag --output-json "$OUT/latency_warmup${flag:+_off}.json" \
+          2>&1 | grep -v "^ *[0-9]" | tail -4
+      done ;;
     throughput)
       python -m tandem.bench.throughput --preset qwen3-0.6b --dataset sharegpt --num-prompts 1000 \
         --hf-batch-size 128 --output-json "$OUT/throughput_qwen3_0.6b.json" ;;

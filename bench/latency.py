@@ -120,10 +120,14 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from tandem.engine import SamplingParams
+    from tandem.kernels import compile_log
 
     batches = [int(b) for b in args.batch_sizes.split(",")]
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="tandem-latency-") as folder:
         llm = build_llm(args, max(batches), folder)
+    start_s = time.perf_counter() - started
+    compiles_at_start = compile_log.compiles()
     engine = llm.engine
     runner = engine.runner
     device = runner.device
@@ -134,6 +138,10 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     experts = (f" (experts {expert_bytes / 2**30:.2f} GiB, {top_k} of {num_experts} a token)"
                if num_experts else "")
+    warmup = runner.warmup_report
+    print(f"engine start {start_s:.1f} s; kernel warm-up: " + (
+        f"{warmup.batches} batches in {warmup.seconds:.1f} s, {warmup.compiled} Triton kernels compiled"
+        if warmup else "none"), file=sys.stderr)
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s; weights {weight_bytes / 2**30:.2f} GiB{experts}; "
           f"KV {kv_bytes_per_token / 1024:.0f} KiB/token; tokenizer: "
           f"{'yes' if engine.tokenizer is not None else 'none (no detokenizing)'}", file=sys.stderr)
@@ -186,11 +194,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r['batch']:>6}{r['step_ms']:>10.2f}{r['floor_ms']:>10.2f}{r['ratio']:>8.2f}{r['period_ms']:>8.2f}"
               f"{r['period_ratio']:>7.2f}{r['host_ms']:>9.3f}{r['host_mean_ms']:>8.3f}{r['schedule_ms']:>8.3f}"
               f"{r['prepare_ms']:>8.3f}{r['update_ms']:>8.3f}{r['tokens_per_s']:>10.0f}")
+    compiled_after_start = compile_log.compiles() - compiles_at_start
+    print(f"Triton kernels compiled after the engine started: {compiled_after_start}", file=sys.stderr)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                        "copy_bandwidth_Bps": bw, "weight_bytes": weight_bytes, "expert_bytes": expert_bytes, "cuda_graphs": runner.graphs is not None,
                        "tokenizer": engine.tokenizer is not None, "async_scheduling": engine.async_scheduling,
+                       "start_s": start_s, "warmup": dataclasses.asdict(warmup) if warmup else None,
+                       "compiled_after_start": compiled_after_start,
                        "rows": rows}, f, indent=2)
     return 0
 

@@ -107,6 +107,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "auto"  # "auto": cuda when available, else cpu
     enforce_eager: bool = False  # True: no CUDA graphs
+    # On a GPU, compile every Triton kernel variant a step can need at start
+    # (engine/kernel_warmup.py), not in the middle of serving.
+    kernel_warmup: bool = True
     attention_backend: AttentionBackend = "auto"
     # Where KV goes besides the local cache: None for a colocated engine.
     # "store" needs a KVStore passed to LLMEngine (services pass their client).
@@ -289,6 +292,11 @@ class EngineArgs:
         "CUDA_VISIBLE_DEVICES)", group=_RUNTIME)
     enforce_eager: bool = flag_field(
         False, "no CUDA graphs for decode (slower; for debugging)", group=_RUNTIME)
+    kernel_warmup: bool = flag_field(
+        True, "skip compiling, at start, every Triton kernel variant a step can need (on GPUs: "
+        "seconds to a minute on a first start, less from Triton's cache); a step that first meets "
+        "a variant then waits for its compile, up to a second, mid-serving",
+        flag="--no-kernel-warmup", negated=True, group=_RUNTIME)
     tensor_parallel_size: int = flag_field(
         1, "engine processes the model is split across (tensor parallelism: attention heads, KV "
         "heads, MLP channels and the vocabulary divided among them; this process is rank 0 and "
@@ -415,6 +423,7 @@ class EngineArgs:
                                       long_prefill_token_threshold=self.long_prefill_token_threshold),
             device=self.device,
             enforce_eager=self.enforce_eager,
+            kernel_warmup=self.kernel_warmup,
             attention_backend=self.attention_backend,
             async_scheduling=self.async_scheduling,
             kv_transfer=None if self.kv_transfer in ("none", None) else self.kv_transfer,

@@ -32,6 +32,7 @@ from tandem.engine.spec_decode.rejection_sampler import RejectionSampler, Verify
 from tandem.engine.spec_decode.speculator import Speculator
 from tandem.engine.structured_output_manager import StructuredOutputManager
 from tandem.engine.tp_workers import TPWorkers, check_tensor_parallel, exports_kv_cache
+from tandem.kernels import compile_log
 
 __all__ = ["EngineStats", "LLMEngine", "RequestOutput", "StepTimes"]
 
@@ -163,6 +164,7 @@ class LLMEngine:
                         self.info.max_model_len)
         if self.tp_workers is not None:
             self.tp_workers.share_max_model_len(self.max_model_len)
+        self.runner.warm_up_kernels(self.max_model_len)
         self.runner.enable_cuda_graphs(self.max_model_len)
         self.sampler = Sampler(self.info.hf_config.vocab_size)
         self.rejection_sampler = RejectionSampler(self.sampler)
@@ -375,6 +377,7 @@ class LLMEngine:
         inflight, self._inflight = self._inflight, None
         times, clock = self.step_times, time.perf_counter
         t0 = clock()
+        compiles_before = compile_log.compiles()
         plan = scheduler.schedule()
         if self.speculator is not None:
             self.speculator.forget(plan.freed_request_ids)  # preempted ones (the rest went already)
@@ -452,19 +455,23 @@ class LLMEngine:
         times.schedule, times.prepare, times.forward = t1 - t0, t2 - t1_loaded, t3 - t2
         times.sample, times.update, times.propose = t4 - t3, t5 - t4, t6 - t5
         if t6 - t0 >= SLOW_STEP_S:
-            self._log_slow_step(t6 - t0, t1_loaded - t1, times, plan)
+            self._log_slow_step(t6 - t0, t1_loaded - t1, times, plan, compiles_before)
         return outputs
 
-    def _log_slow_step(self, seconds: float, loading: float, times, plan: SchedulerOutput) -> None:
-        """One line per slow step (at most every SLOW_STEP_LOG_S): where its host time went."""
+    def _log_slow_step(self, seconds: float, loading: float, times, plan: SchedulerOutput,
+                       compiles_before: int) -> None:
+        """One line per slow step (at most every SLOW_STEP_LOG_S): where its host
+        time went, and the Triton kernels it waited to compile, if any."""
         now = time.monotonic()
         if now - self._slow_step_logged < SLOW_STEP_LOG_S:
             return
         self._slow_step_logged = now
+        compiled = compile_log.recent(compiles_before)
         log.warning("a step took %.0f ms (%d entries): schedule %.1f, swaps and KV loads %.1f, prepare %.1f, "
-                    "forward %.1f, sample %.1f, update %.1f ms", seconds * 1e3, plan.num_entries,
+                    "forward %.1f, sample %.1f, update %.1f ms%s", seconds * 1e3, plan.num_entries,
                     times.schedule * 1e3, loading * 1e3, times.prepare * 1e3, times.forward * 1e3,
-                    times.sample * 1e3, times.update * 1e3)
+                    times.sample * 1e3, times.update * 1e3,
+                    f"; compiled Triton kernels {', '.join(compiled)}" if compiled else "")
 
     def _defers(self, requests: list[Request]) -> bool:
         """Whether this step's tokens may stay on the device while the next

@@ -26,7 +26,7 @@ from tandem.engine.models import build_model
 from tandem.engine.models.llama import LayerHook, head_dim_of
 from tandem.engine.plan import SchedulerOutput
 from tandem.engine.tensor_parallel import rank_device, shard_size, tp_group
-from tandem.kernels import AttentionMetadata
+from tandem.kernels import AttentionMetadata, compile_log
 from tandem.kernels.ops import set_attention_backend, triton_backend_selected
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,8 @@ class ModelRunner:
                        else torch.device(config.resolved_device()))
         # Before anything asks which kernels run (one setting per process: kernels/ops.py).
         set_attention_backend(config.attention_backend, self.device.type)
+        if self.device.type == "cuda":
+            compile_log.install()  # a step that waits for a compile says so (the slow-step log)
         self.dtype = resolve_dtype(config.model.dtype, self.device.type)
         hf = info.hf_config
         self.block_size = config.cache.block_size
@@ -86,6 +88,7 @@ class ModelRunner:
         self.model.eval()
         # This rank's KV heads: each tensor-parallel rank caches its own
         num_kv_heads = shard_size(getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads, "KV heads")
+        self.num_heads = shard_size(hf.num_attention_heads, "attention heads")  # this rank's
         # The model id and dtype name the blocks: KV of another model or
         # precision never matches, in this process or in a shared store.
         layout = KVCacheLayout(hf.num_hidden_layers, 0, self.block_size, num_kv_heads, head_dim_of(hf),
@@ -104,6 +107,7 @@ class ModelRunner:
                                         pin=self.device.type == "cuda")
         self.kv_caches: list[torch.Tensor] = []
         self.graphs = None  # set by enable_cuda_graphs once the engine knows max_model_len
+        self.warmup_report = None  # set by warm_up_kernels, where it runs
         self.block_table = BlockTable(config.scheduler.max_num_seqs)
         self._arange = np.arange(config.scheduler.max_num_seqs + 1, dtype=np.int64)
         # A decode-only batch's query starts are 0..n: views of one device
@@ -142,6 +146,26 @@ class ModelRunner:
         self.kv_caches = list(kv_cache.unbind(0))
         log.info("model on %s (%s), %d KV blocks of %d tokens", self.device, self.dtype,
                  self.num_blocks, self.block_size)
+
+    def warm_up_kernels(self, max_model_len: int) -> None:
+        """Compile the Triton kernel variants any step can need, now rather than
+        mid-serving (kernel_warmup.py). On every tensor-parallel rank, in the
+        same order, before enable_cuda_graphs."""
+        if (self.device.type != "cuda" or not triton_backend_selected()
+                or not self.config.kernel_warmup):
+            return
+        from tandem.engine import kernel_warmup
+
+        sched = self.config.scheduler
+        batches = kernel_warmup.warmup_batches(
+            num_heads=self.num_heads,
+            num_kv_heads=self.layout.num_kv_heads, head_dim=self.layout.head_dim,
+            max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens, device=self.device)
+        self.warmup_report = report = kernel_warmup.warm_up(self.model, self.kv_caches, batches,
+                                                            self.block_size, self.device)
+        log.info("kernel warm-up: %d batches in %.1f s, %s Triton kernels compiled", report.batches,
+                 report.seconds, report.compiled if report.compiled >= 0 else "(uncounted)")
 
     def enable_cuda_graphs(self, max_model_len: int) -> None:
         if self.device.type != "cuda" or self.config.enforce_eager:

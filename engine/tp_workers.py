@@ -118,7 +118,9 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: EngineCon
         runner.bind_kv_cache()
     # Decode CUDA graphs hold the model's all-reduces: every rank captures the
     # same batch sizes in the same order, and replays the same one each step.
-    runner.enable_cuda_graphs(receive(plans))
+    max_model_len = receive(plans)
+    runner.warm_up_kernels(max_model_len)  # the same batches as rank 0's, in the same order
+    runner.enable_cuda_graphs(max_model_len)
     # Fault injection for tests: exit on the Nth plan without running it, so
     # rank 0 is left in that step's collectives (a kill lands anywhere).
     exit_at = int(os.environ.get("TANDEM_FAULT_TP_WORKER_EXIT_AT_PLAN", "0"))

@@ -18,7 +18,7 @@ import torch
 import triton
 
 from tandem.kernels.cache_write import _check_head_dim
-from tandem.kernels.decode_attention_triton import decode_attention
+from tandem.kernels.decode_attention_triton import DecodeChoices, decode_attention, decode_choices
 from tandem.kernels.metadata import AttentionMetadata
 from tandem.kernels.prefill_attention_triton import prefill_attention
 
@@ -78,6 +78,35 @@ def decode_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, nu
     want_splits = max(1, triton.cdiv(cfg.programs_per_sm * num_sms, programs))
     tiles = triton.cdiv(max(max_seq_len, 1), want_splits * cfg.block_n)
     return cfg.block_n * triton.next_power_of_2(tiles)
+
+
+def decode_variants(num_heads: int, num_kv_heads: int, head_dim: int, max_model_len: int,
+                    max_num_seqs: int, device: torch.device,
+                    config: AttentionConfig | None = None) -> dict[DecodeChoices, tuple[int, int]]:
+    """Every set of decode-kernel choices a decode batch of at most
+    max_num_seqs sequences, none longer than max_model_len, makes on this
+    device; each with a (num_seqs, max_seq_len) that makes it, the smallest
+    batch first. A Triton compile each: kernel_warmup makes them all at start."""
+    d = (config or DEFAULT_CONFIG).decode
+    num_sms = _num_sms(device)
+    group = num_heads // num_kv_heads
+    found: dict[DecodeChoices, tuple[int, int]] = {}
+    # The batch size acts only through the split count it wants: one size for each.
+    wanted: set[int] = set()
+    for num_seqs in range(1, max_num_seqs + 1):
+        want = triton.cdiv(d.programs_per_sm * num_sms, num_seqs * num_kv_heads)
+        if want in wanted:
+            continue
+        wanted.add(want)
+        # The split count is constant between multiples of block_n (partitions are
+        # multiples of it): one length in each such span, its end.
+        for length in range(d.block_n, max_model_len + d.block_n, d.block_n):
+            length = min(length, max_model_len)
+            partition = decode_partition_size(num_seqs, num_kv_heads, length, num_sms, d)
+            num_splits = max(1, triton.cdiv(length, partition))
+            key = decode_choices(num_splits, group, head_dim, d.reduce_chunk, d.fused_max_splits)
+            found.setdefault(key, (num_seqs, length))
+    return found
 
 
 def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,

@@ -32,6 +32,8 @@ is a host-side int.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -65,7 +67,16 @@ def split_counters(device: torch.device, count: int) -> torch.Tensor:
     return counters
 
 
-@triton.jit
+# Triton compiles a kernel once per pattern of its integer arguments (1, a
+# multiple of 16, other): these change with the batch (the block table's width,
+# the split count) and would multiply the variants a serving engine compiles,
+# each in the middle of a step (engine/kernel_warmup.py). They index scalars
+# or rows, never vectorized loads, so their divisibility buys nothing.
+_VARYING_PARTITION_ARGS = ["stride_bt_seq", "stride_pl_seq", "stride_pl_head"]
+_VARYING_REDUCE_ARGS = ["stride_pl_seq", "stride_pl_head", "num_splits"]
+
+
+@triton.jit(do_not_specialize=_VARYING_PARTITION_ARGS)
 def _decode_partition_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr, counters_ptr,
@@ -215,7 +226,7 @@ def _combine_partitions(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_a
     tl.store(o, result.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_VARYING_REDUCE_ARGS)
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr,
     stride_po_seq, stride_po_head, stride_po_split,
@@ -272,6 +283,30 @@ def _combine_chunk(splits_pad: int, group: int, head_dim: int) -> int:
     return max(2, min(splits_pad, 16, fit))
 
 
+@dataclass(frozen=True)
+class DecodeChoices:
+    """The compile-time choices of one decode call: each distinct value is a
+    kernel variant Triton compiles (engine/kernel_warmup.py warms them all)."""
+
+    single: bool  # one split: the partition kernel writes the output itself
+    fused: bool  # 2..fused_max_splits splits, combined inside the launch
+    split_chunk: int  # the partition kernel's SPLIT_CHUNK (read only when fused; else 2)
+    reduce_splits_pad: int  # the reduce kernel's SPLITS_PAD (0: no reduce launch)
+    reduce_chunk: int  # the reduce kernel's SPLIT_CHUNK (0: no reduce launch)
+
+
+def decode_choices(num_splits: int, group: int, head_dim: int, reduce_chunk: int,
+                   fused_max_splits: int) -> DecodeChoices:
+    single = num_splits == 1
+    fused = 1 < num_splits <= fused_max_splits
+    splits_pad = triton.next_power_of_2(num_splits)
+    reduced = not single and not fused
+    # One value where the kernel does not read it: another would be another variant.
+    split_chunk = min(reduce_chunk, _combine_chunk(splits_pad, group, head_dim)) if fused else 2
+    return DecodeChoices(single, fused, split_chunk,
+                         splits_pad if reduced else 0, min(reduce_chunk, splits_pad) if reduced else 0)
+
+
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
                      scale: float, out: torch.Tensor, *, partition_size: int, block_n: int,
@@ -291,8 +326,8 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     group = num_heads // num_kv_heads
     assert partition_size % block_n == 0, (partition_size, block_n)
     num_splits = max(1, triton.cdiv(max_seq_len, partition_size))
-    single = num_splits == 1
-    fused = 1 < num_splits <= fused_max_splits
+    choices = decode_choices(num_splits, group, head_dim, reduce_chunk, fused_max_splits)
+    single, fused = choices.single, choices.fused
     # The kernel takes a pointer either way; it reads this one only when fused.
     counters = split_counters(query.device, num_seqs * num_kv_heads) if fused else seq_lens
     if single:  # the partition kernel normalises and writes out directly
@@ -305,7 +340,6 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
                                device=query.device)
         po_strides = part_out.stride()[:3]
         pl_strides = part_lse.stride()[:2]
-    splits_pad = triton.next_power_of_2(num_splits)
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, key_cache, value_cache, block_tables, seq_lens, out, part_out, part_lse,
         counters,
@@ -319,7 +353,7 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         GROUP_P2=max(2, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SINGLE_SPLIT=single, FUSED_REDUCE=fused,
-        SPLIT_CHUNK=min(reduce_chunk, _combine_chunk(splits_pad, group, head_dim)),
+        SPLIT_CHUNK=choices.split_chunk,
         **dot_settings(query.dtype), num_warps=num_warps, num_stages=num_stages,
     )
     if not single and not fused:
@@ -328,8 +362,8 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
             *po_strides, *pl_strides,
             out.stride(0), out.stride(1),
             num_splits,
-            HEAD_DIM=head_dim, SPLITS_PAD=splits_pad,
-            SPLIT_CHUNK=min(reduce_chunk, splits_pad),
+            HEAD_DIM=head_dim, SPLITS_PAD=choices.reduce_splits_pad,
+            SPLIT_CHUNK=choices.reduce_chunk,
             num_warps=4,
         )
     return out

@@ -25,7 +25,10 @@ from tandem.kernels.common_triton import dot_settings, mma
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# The block table's width changes with the batch; specializing on it (1, a
+# multiple of 16, other) would compile up to three variants mid-serving
+# (engine/kernel_warmup.py). It offsets the row of scalar block ids only.
+@triton.jit(do_not_specialize=["stride_bt_seq"])
 def _prefill_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
     query_start_loc_ptr, out_ptr,

@@ -67,6 +67,7 @@ class DraftModelProposer:
         self.kv = KVCacheManager(num_blocks, layout.block_size, enable_caching,
                                  hash_extra=layout.model_key.encode())
         self.max_model_len = min(self.max_model_len, max_model_len, (num_blocks - 1) * layout.block_size)
+        runner.warm_up_kernels(self.max_model_len)
         runner.enable_cuda_graphs(self.max_model_len)
 
     @property
