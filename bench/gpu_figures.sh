@@ -35,9 +35,10 @@ for what in "${@:-tests latency throughput}"; do
     tp-tests)  # needs two GPUs: the TP tests (more than one lent command's 600 s: one call for
       # this mode alone). One pytest process a test, verbose, with Python's stacks dumped if
       # one hangs: the first run of these printed nothing in 200 s (docs/benchmarks.md).
-      for t in eager cuda-graphs agrees_with_tp1 peer_all_reduce peer-all-reduce-exits-inside; do
-        timeout 110 python -m pytest -v -rxXs -o faulthandler_timeout=90 -p no:cacheprovider \
-          tests/gpu/test_tensor_parallel_gpu.py -k "$t" 2>&1 | grep -v "Writing model" | tee "$OUT/tp_$t.log" | tail -40
+      # The lost-rank test waits up to 200 s for its child: its own verdict needs more than that.
+      for t in eager:110 cuda-graphs:110 agrees_with_tp1:110 peer_all_reduce:110 peer-all-reduce-exits-inside:230; do
+        timeout ${t#*:} python -m pytest -v -rxXs -o faulthandler_timeout=$((${t#*:} - 15)) -p no:cacheprovider \
+          tests/gpu/test_tensor_parallel_gpu.py -k "${t%:*}" 2>&1 | grep -v "Writing model" | tee "$OUT/tp_${t%:*}.log" | tail -40
       done
       # The direct transfer between two TP=2 engines (needs the gRPC stubs: STUBS).
       timeout 120 python -m pytest -v -rxXs -p no:cacheprovider tests/gpu/test_kv_pull_gpu.py -k tp2 2>&1 \
