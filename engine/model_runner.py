@@ -35,6 +35,19 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.floa
           "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
+def verify_shape(plan: SchedulerOutput) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """(rows, tokens computed before) of each entry, where the step is a
+    verifying one a graph can take: every entry samples, each a decode with
+    its draft tokens (1 + d rows, d > 0 for one at least); else None."""
+    drafts = plan.num_draft_tokens
+    if not drafts or len(plan.sampled) != plan.num_entries or not any(drafts):
+        return None
+    q_lens = np.array(plan.num_new_tokens, dtype=np.int64)
+    if not np.array_equal(q_lens, np.array(drafts, dtype=np.int64) + 1):
+        return None
+    return q_lens, np.array(plan.num_computed_tokens, dtype=np.int64)
+
+
 def resolve_dtype(name: str, device: str) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -107,6 +120,7 @@ class ModelRunner:
                                         pin=self.device.type == "cuda")
         self.kv_caches: list[torch.Tensor] = []
         self.graphs = None  # set by enable_cuda_graphs once the engine knows max_model_len
+        self.verify_graphs = None  # the same, for speculative decoding's verifying steps
         self.warmup_report = None  # set by warm_up_kernels, where it runs
         self.block_table = BlockTable(config.scheduler.max_num_seqs)
         self._arange = np.arange(config.scheduler.max_num_seqs + 1, dtype=np.int64)
@@ -174,16 +188,27 @@ class ModelRunner:
             # The torch twins read lengths on the host, which a graph cannot capture.
             log.warning("--attention-backend torch: decode runs eagerly, without CUDA graphs")
             return
-        from tandem.engine.cuda_graphs import DecodeGraphs
+        from tandem.engine.cuda_graphs import DecodeGraphs, verify_buckets
 
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.config.scheduler.max_num_seqs,
+        sched = self.config.scheduler
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, sched.max_num_seqs,
                                    max_model_len, self.block_size, self.device)
+        spec = self.config.speculative
+        if spec is not None:
+            # Verifying steps (1 + k rows a request) replay graphs of their own; eagerly
+            # each cost a dozen decode steps (docs/benchmarks.md, speculative decoding).
+            q = 1 + spec.num_speculative_tokens
+            self.verify_graphs = DecodeGraphs(
+                self.model, self.kv_caches, sched.max_num_seqs, max_model_len, self.block_size,
+                self.device, query_len=q,
+                sizes=verify_buckets(sched.max_num_seqs, q, sched.max_num_batched_tokens))
 
     def release_cuda_graphs(self) -> None:
         """Drop the decode graphs (before the TP group goes: see DecodeGraphs.release)."""
-        if self.graphs is not None:
-            self.graphs.release()
-            self.graphs = None
+        for graphs in (self.graphs, self.verify_graphs):
+            if graphs is not None:
+                graphs.release()
+        self.graphs = self.verify_graphs = None
 
     def _decide_num_blocks(self, block_bytes: int) -> int:
         cache = self.config.cache
@@ -299,9 +324,12 @@ class ModelRunner:
         layer (the KV connector's layer-wise loads and saves); a step with
         hooks runs eagerly."""
         hooked = before_layer is not None or after_layer is not None
+        verify = None if hooked or self.verify_graphs is None else verify_shape(plan)
         if (self.graphs is not None and not hooked and batch.meta.is_decode_only
                 and self.graphs.bucket(plan.num_entries) is not None):
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
+        elif verify is not None and self.verify_graphs.fits_verify(*verify):
+            hidden = self.verify_graphs.run_verify(batch.input_ids, batch.positions, batch.meta, *verify)
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta,
                                 before_layer, after_layer)
