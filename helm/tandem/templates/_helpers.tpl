@@ -124,8 +124,10 @@ Usage: include "tandem.engineEnv" (dict "root" $ "role" "decode") | fromYaml */}
 {{- range $name, $value := $args }}
 {{- if kindIs "invalid" $value }}
 {{- else if eq $name "enable_prefix_caching" }}
-{{- /* the one setting whose flag is a negation: --no-prefix-caching */}}
+{{- /* the settings whose flags are negations: --no-prefix-caching, --no-kernel-warmup */}}
 {{- $_ := set $env "TANDEM_NO_PREFIX_CACHING" (toString (not $value)) }}
+{{- else if eq $name "kernel_warmup" }}
+{{- $_ := set $env "TANDEM_NO_KERNEL_WARMUP" (toString (not $value)) }}
 {{- else }}
 {{- $_ := set $env (printf "TANDEM_%s" (upper $name)) (include "tandem.envValue" $value) }}
 {{- end }}
