@@ -4,6 +4,7 @@ in its padded layout. The graphs themselves run in tests/gpu/test_spec_decode_gp
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from tandem.engine.cuda_graphs import padded_rows, verify_buckets
 from tandem.engine.model_runner import verify_shape
@@ -39,3 +40,75 @@ def test_a_graph_takes_decodes_with_drafts_only():
     assert verify_shape(plan([0, 5], [30, 4], [0, 3])) is None  # a prompt chunk beside a verify
     assert verify_shape(plan([0, 5], [30, 4], [3], sampled=[1])) is None  # an entry that does not sample
     assert verify_shape(SchedulerOutput()) is None
+
+
+class _Replay:
+    """Stands in for a captured CUDA graph on the CPU: replaying runs the
+    captured call again over the same persistent buffers, into the same output."""
+
+    def __init__(self, run) -> None:
+        self.run = run
+
+    def replay(self) -> None:
+        self.run()
+
+    def reset(self) -> None:
+        pass
+
+
+class EmulatedVerifyGraphs:
+    """DecodeGraphs with query_len 1 + k whose capture is emulated (no CUDA
+    here): the buffers, buckets, padding and gathers are the real code's."""
+
+    @staticmethod
+    def build(model, kv_caches, max_batch, max_model_len, block_size, query_len):
+        from tandem.engine.cuda_graphs import DecodeGraphs
+
+        class Emulated(DecodeGraphs):
+            def _capture_all(self) -> None:
+                q = self.query_len
+                for b in self.sizes:
+                    args = (self.input_ids[: b * q], self.positions[: b * q], self.kv_caches, self._meta(b))
+                    with torch.inference_mode():
+                        self.outputs[b] = model(*args).clone()
+
+                    def run(b=b, args=args):
+                        with torch.inference_mode():
+                            self.outputs[b].copy_(model(*args))
+                    self.graphs[b] = _Replay(run)
+
+        return Emulated(model, kv_caches, max_batch, max_model_len, block_size, torch.device("cpu"),
+                        query_len=query_len)
+
+
+def test_verifying_steps_through_the_graph_layout_give_the_eager_tokens(tmp_path):
+    """The same requests, speculating, with and without the verifying graphs'
+    layout (uniform and padded batches, padding sequences): the same greedy
+    tokens. Real CUDA graphs: tests/gpu/test_spec_decode_gpu.py."""
+    import random
+
+    from tandem.engine import LLM, SamplingParams
+    from tests.support.hf_oracle import tiny_model_dir
+
+    path, _ = tiny_model_dir(tmp_path, "llama")
+    rng = random.Random(4)
+    prompts = [[5, 6, 7, 8, 9, 10] * 8 + [5, 6], [40, 41, 42] * 20, [7, 7, 8] * 12 + [7]]
+    prompts += [[rng.randrange(2, 512) for _ in range(n)] for n in (3, 30, 200, 17)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    tokens = {}
+    for emulate in (False, True):
+        llm = LLM(path, device="cpu", dtype="float32", num_blocks=256, max_num_seqs=8, speculative_config=spec)
+        try:
+            runner = llm.engine.runner
+            if emulate:
+                runner.verify_graphs = EmulatedVerifyGraphs.build(
+                    runner.model, runner.kv_caches, 8, llm.engine.max_model_len, runner.block_size, 4)
+            tokens[emulate] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            tokens[emulate] += [o.outputs[0].token_ids for o in llm.generate(prompts[:1], params)]
+            if emulate:
+                graphs = runner.verify_graphs
+                assert graphs.replays > graphs.padded_replays > 0, (graphs.replays, graphs.padded_replays)
+        finally:
+            llm.shutdown()
+    assert tokens[True] == tokens[False]
