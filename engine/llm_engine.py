@@ -450,7 +450,7 @@ class LLMEngine:
             # Finished requests' draft state goes now, not with the next plan's
             # freed ids: an idle engine holds no draft blocks.
             self.speculator.forget([r.request_id for r in requests if r.is_finished])
-            self.speculator.propose(requests)  # those still running
+            self.speculator.propose(requests, len(scheduler.running))  # those still running
         t6 = clock()
         times.schedule, times.prepare, times.forward = t1 - t0, t2 - t1_loaded, t3 - t2
         times.sample, times.update, times.propose = t4 - t3, t5 - t4, t6 - t5

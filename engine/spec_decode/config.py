@@ -35,6 +35,10 @@ class SpeculativeConfig:
     model: Optional[str] = None  # draft_model: a HF folder, .gguf file, Hub id or "smollm2"
     prompt_lookup_min: Optional[int] = None  # ngram: shortest suffix looked up
     prompt_lookup_max: Optional[int] = None  # ngram: longest suffix looked up (tried first)
+    # No proposals while more requests than this run (None: always propose): a
+    # large batch is compute-bound, and verifying drafts there costs more than
+    # it saves (docs/benchmarks.md: 0.70-0.79x at batch 64).
+    disable_by_batch_size: Optional[int] = None
 
     @property
     def keys(self) -> dict[str, Any]:
@@ -75,6 +79,11 @@ class SpeculativeConfig:
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise SpeculativeConfigError(f"num_speculative_tokens must be an integer from 1 to "
                                          f"{MAX_SPECULATIVE_TOKENS}, got {k!r}")
+        off_above = v.get("disable_by_batch_size")
+        if off_above is not None and (isinstance(off_above, bool) or not isinstance(off_above, int)
+                                      or off_above < 1):
+            raise SpeculativeConfigError(f"disable_by_batch_size must be an integer of at least 1 (no "
+                                         f"proposals while more requests run), got {off_above!r}")
         model, method = v.get("model"), v.get("method")
         if model is not None and (not isinstance(model, str) or not model):
             raise SpeculativeConfigError(f"model must be a model name or path, got {model!r}")
@@ -95,7 +104,7 @@ class SpeculativeConfig:
             if lo is not None or hi is not None:
                 raise SpeculativeConfigError("prompt_lookup_min/max are for method 'ngram'; drop them for "
                                              "'draft_model'")
-            return cls(method, k, model=model)
+            return cls(method, k, model=model, disable_by_batch_size=off_above)
         if model not in (None, "ngram", "[ngram]"):
             raise SpeculativeConfigError(f"method 'ngram' takes no draft model (got model {model!r}); use "
                                          "method 'draft_model' to speculate with a model")
@@ -108,4 +117,4 @@ class SpeculativeConfig:
         hi = lo if hi is None else hi
         if lo > hi:
             raise SpeculativeConfigError(f"prompt_lookup_min ({lo}) must not exceed prompt_lookup_max ({hi})")
-        return cls("ngram", k, prompt_lookup_min=lo, prompt_lookup_max=hi)
+        return cls("ngram", k, prompt_lookup_min=lo, prompt_lookup_max=hi, disable_by_batch_size=off_above)

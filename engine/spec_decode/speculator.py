@@ -84,8 +84,13 @@ class Speculator:
         if request_ids:
             self.proposer.forget(request_ids)
 
-    def propose(self, requests: Sequence[Request]) -> None:
-        """Set spec_token_ids of each running request in `requests` that speculates."""
+    def propose(self, requests: Sequence[Request], num_running: int = 0) -> None:
+        """Set spec_token_ids of each running request in `requests` that speculates.
+        num_running: the engine's running requests; above the config's
+        disable_by_batch_size nothing is proposed (the next step decodes plainly)."""
+        off_above = self.config.disable_by_batch_size
+        if off_above is not None and num_running > off_above:
+            return
         chosen: list[Request] = []
         ks: list[int] = []
         for request in requests:

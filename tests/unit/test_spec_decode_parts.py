@@ -278,8 +278,40 @@ def test_speculative_config_as_vllm_takes_it(monkeypatch):
      "must not exceed"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}', "unknown key"),
     ('{"model": "x", "num_speculative_tokens": 2, "prompt_lookup_max": 2}', "for method 'ngram'"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}', "at least 1"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": "8"}', "at least 1"),
 ])
 def test_a_bad_speculative_config_names_what_is_wrong(value, says):
     with pytest.raises(ConfigError, match="--speculative-config") as err:
         EngineArgs(speculative_config=value).create_engine_config()
     assert says in str(err.value)
+
+
+def test_disable_by_batch_size_proposes_only_while_few_requests_run(tmp_path):
+    """vLLM's disable_by_batch_size: with more requests running than it, steps
+    carry no drafts (a large batch decodes plainly); with fewer, they do; the
+    greedy tokens are the same either way."""
+    import random
+
+    from tandem.engine import LLM, SamplingParams
+    from tests.support.hf_oracle import tiny_model_dir
+
+    path, _ = tiny_model_dir(tmp_path, "llama")
+    rng = random.Random(2)
+    prompts = [[5, 6, 7, 8] * 10] + [[rng.randrange(2, 512) for _ in range(20)] for _ in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+            "disable_by_batch_size": 2}
+    assert SpeculativeConfig.parse(spec).disable_by_batch_size == 2
+    llm = LLM(path, device="cpu", dtype="float32", num_blocks=256, speculative_config=spec)
+    plain = LLM(path, device="cpu", dtype="float32", num_blocks=256)
+    try:
+        many = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]  # 4 running > 2
+        assert llm.engine.stats().spec_decode_num_drafts == 0
+        one = llm.generate(prompts[:1], params)[0].outputs[0].token_ids  # 1 running <= 2
+        assert llm.engine.stats().spec_decode_num_drafts > 0
+        assert many == [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+        assert one == many[0]
+    finally:
+        llm.shutdown()
+        plain.shutdown()
