@@ -125,6 +125,8 @@ def run_batches(model: torch.nn.Module, kv_caches: list[torch.Tensor], batches: 
 
 def warm_up(model: torch.nn.Module, kv_caches: list[torch.Tensor], batches: list[WarmupBatch],
             block_size: int, device: torch.device) -> WarmupReport:
+    """Run the batches, logging progress every 10 s; what they took, and how
+    many kernels Triton compiled meanwhile."""
     counting = compile_log.install()
     before = compile_log.compiles()
     start = time.monotonic()
