@@ -140,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
                if num_experts else "")
     warmup = runner.warmup_report
     print(f"engine start {start_s:.1f} s; kernel warm-up: " + (
-        f"{warmup.batches} batches in {warmup.seconds:.1f} s, {warmup.compiled} Triton kernels compiled"
+        f"{warmup.batches} batches in {warmup.seconds:.1f} s, "
+        f"{warmup.compiled if warmup.compiled >= 0 else 'uncounted'} Triton kernels compiled"
         if warmup else "none"), file=sys.stderr)
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s; weights {weight_bytes / 2**30:.2f} GiB{experts}; "
           f"KV {kv_bytes_per_token / 1024:.0f} KiB/token; tokenizer: "
