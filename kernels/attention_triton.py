@@ -18,7 +18,7 @@ import torch
 import triton
 
 from tandem.kernels.cache_write import _check_head_dim
-from tandem.kernels.decode_attention_triton import DecodeChoices, decode_attention, decode_choices
+from tandem.kernels.decode_attention_triton import DecodeChoices, decode_attention, decode_choices, num_splits_of
 from tandem.kernels.metadata import AttentionMetadata
 from tandem.kernels.prefill_attention_triton import prefill_attention
 
@@ -103,8 +103,8 @@ def decode_variants(num_heads: int, num_kv_heads: int, head_dim: int, max_model_
         for length in range(d.block_n, max_model_len + d.block_n, d.block_n):
             length = min(length, max_model_len)
             partition = decode_partition_size(num_seqs, num_kv_heads, length, num_sms, d)
-            num_splits = max(1, triton.cdiv(length, partition))
-            key = decode_choices(num_splits, group, head_dim, d.reduce_chunk, d.fused_max_splits)
+            key = decode_choices(num_splits_of(length, partition), group, head_dim, d.reduce_chunk,
+                                 d.fused_max_splits)
             found.setdefault(key, (num_seqs, length))
     return found
 

@@ -295,6 +295,11 @@ class DecodeChoices:
     reduce_chunk: int  # the reduce kernel's SPLIT_CHUNK (0: no reduce launch)
 
 
+def num_splits_of(max_seq_len: int, partition_size: int) -> int:
+    """The grid's split count: enough partitions for the longest context."""
+    return max(1, triton.cdiv(max_seq_len, partition_size))
+
+
 def decode_choices(num_splits: int, group: int, head_dim: int, reduce_chunk: int,
                    fused_max_splits: int) -> DecodeChoices:
     single = num_splits == 1
@@ -325,7 +330,7 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
     assert partition_size % block_n == 0, (partition_size, block_n)
-    num_splits = max(1, triton.cdiv(max_seq_len, partition_size))
+    num_splits = num_splits_of(max_seq_len, partition_size)
     choices = decode_choices(num_splits, group, head_dim, reduce_chunk, fused_max_splits)
     single, fused = choices.single, choices.fused
     # The kernel takes a pointer either way; it reads this one only when fused.

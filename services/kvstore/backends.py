@@ -148,12 +148,11 @@ class MemoryBackend:
         return self._slabs.shared_slabs()
 
     @property
-    def slabs_state(self) -> int:
-        """data_wire.SLABS_*: complete once all its capacity is allocated; before
-        that, allocating it (preallocate) or growing as values arrive."""
-        if self._slabs.complete:
-            return 2
-        return 1 if self.preallocate else 0
+    def slabs_complete(self) -> bool:
+        """Whether all of its capacity is allocated in slabs: no more will be made.
+        Before that, a preallocate store is making them all now; another one
+        makes them as values arrive."""
+        return self._slabs.complete
 
     def reserve_slot(self, size: int) -> Optional[tuple[memoryview, SlotPlace]]:
         """A free slot in a shared slab for a value of `size` (None: none to

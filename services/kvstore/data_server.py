@@ -135,7 +135,9 @@ class _Handler(socketserver.BaseRequestHandler):
         backend = self._lender(sock)
         if backend is None:
             return
-        state = backend.slabs_state  # asked first: a slab made after the list must not be missed
+        # Asked first: a slab made after the list must not be missed.
+        state = (wire.SLABS_COMPLETE if backend.slabs_complete
+                 else wire.SLABS_ALLOCATING if backend.preallocate else wire.SLABS_GROWING)
         slabs = backend.shared_slabs()
         parts = [wire.OK, backend.slab_token, bytes([state]), wire.COUNT.pack(len(slabs))]
         for index, name, size in slabs:

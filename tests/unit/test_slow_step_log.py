@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from tandem.engine import CacheConfig, EngineConfig, ModelConfig, SamplingParams
 from tandem.engine import llm_engine
 from tandem.engine.llm_engine import LLMEngine
@@ -35,8 +37,6 @@ def test_a_slow_step_names_the_triton_kernels_it_compiled(tmp_path, caplog, monk
     from tandem.kernels import compile_log
 
     if not compile_log.install():
-        import pytest
-
         pytest.skip("this Triton has no post-compile hook")
     path, _ = tiny_model_dir(tmp_path, "llama")
     engine = LLMEngine(EngineConfig(model=ModelConfig(model=path, dtype="float32"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tandem.engine.cuda_graphs import padded_rows, verify_buckets
+from tandem.engine.cuda_graphs import DecodeGraphs, padded_rows, verify_buckets
 from tandem.engine.model_runner import verify_shape
 from tandem.engine.plan import SchedulerOutput
 
@@ -56,29 +56,21 @@ class _Replay:
         pass
 
 
-class EmulatedVerifyGraphs:
-    """DecodeGraphs with query_len 1 + k whose capture is emulated (no CUDA
-    here): the buffers, buckets, padding and gathers are the real code's."""
+class EmulatedGraphs(DecodeGraphs):
+    """DecodeGraphs whose capture is emulated (no CUDA here): the buffers,
+    buckets, padding and gathers are the real code's."""
 
-    @staticmethod
-    def build(model, kv_caches, max_batch, max_model_len, block_size, query_len):
-        from tandem.engine.cuda_graphs import DecodeGraphs
+    def _capture_all(self) -> None:
+        q = self.query_len
+        for b in self.sizes:
+            args = (self.input_ids[: b * q], self.positions[: b * q], self.kv_caches, self._meta(b))
+            with torch.inference_mode():
+                self.outputs[b] = self.model(*args).clone()
 
-        class Emulated(DecodeGraphs):
-            def _capture_all(self) -> None:
-                q = self.query_len
-                for b in self.sizes:
-                    args = (self.input_ids[: b * q], self.positions[: b * q], self.kv_caches, self._meta(b))
-                    with torch.inference_mode():
-                        self.outputs[b] = model(*args).clone()
-
-                    def run(b=b, args=args):
-                        with torch.inference_mode():
-                            self.outputs[b].copy_(model(*args))
-                    self.graphs[b] = _Replay(run)
-
-        return Emulated(model, kv_caches, max_batch, max_model_len, block_size, torch.device("cpu"),
-                        query_len=query_len)
+            def run(b=b, args=args):
+                with torch.inference_mode():
+                    self.outputs[b].copy_(self.model(*args))
+            self.graphs[b] = _Replay(run)
 
 
 def test_verifying_steps_through_the_graph_layout_give_the_eager_tokens(tmp_path):
@@ -102,8 +94,8 @@ def test_verifying_steps_through_the_graph_layout_give_the_eager_tokens(tmp_path
         try:
             runner = llm.engine.runner
             if emulate:
-                runner.verify_graphs = EmulatedVerifyGraphs.build(
-                    runner.model, runner.kv_caches, 8, llm.engine.max_model_len, runner.block_size, 4)
+                runner.verify_graphs = EmulatedGraphs(runner.model, runner.kv_caches, 8, llm.engine.max_model_len,
+                                                      runner.block_size, torch.device("cpu"), query_len=4)
             tokens[emulate] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
             tokens[emulate] += [o.outputs[0].token_ids for o in llm.generate(prompts[:1], params)]
             if emulate:
