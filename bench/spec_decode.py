@@ -10,6 +10,12 @@ up to --max-tokens each. Decode tokens/s counts the tokens after each
 request's first over the time from the moment every request has its first
 token to the last one's end, so prefill time is left out; the acceptance
 rate and the tokens per verifying step come from the engine's counters.
+Where a decode step's time goes is printed per kind of step (verifying,
+plain): the engine's own phase timers (engine/llm_engine.py StepTimes; on a
+GPU `sample` is mostly the wait for the device) and how many verifying
+steps replayed a CUDA graph. --profile-steps N then runs each setting's
+largest batch once more under torch.profiler for N decode steps and prints
+the kernels' device time per step.
 The table says whether the greedy outputs equal those without speculation:
 in fp32 they must; in bf16 a step that verifies k tokens computes in another
 batch shape than one that decodes one, and a near tie may flip a token, as
@@ -22,7 +28,7 @@ import gc
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from tandem.engine.config import KV_TRANSFER_FIELDS, EngineArgs
@@ -86,6 +92,31 @@ def task_prompts(n: int) -> list[str]:
     return out
 
 
+PHASES = ("schedule", "prepare", "forward", "sample", "update", "propose")
+
+
+@dataclass
+class StepBreakdown:
+    """Sums over the decode steps of one kind (verifying or plain) of a run."""
+
+    steps: int = 0
+    wall: float = 0.0
+    phases: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+
+    def add(self, wall: float, times) -> None:
+        self.steps += 1
+        self.wall += wall
+        for name in PHASES:
+            self.phases[name] += getattr(times, name)
+
+    def line(self) -> str:
+        if not self.steps:
+            return "none"
+        ms = 1e3 / self.steps
+        parts = ", ".join(f"{name} {self.phases[name] * ms:.2f}" for name in PHASES)
+        return f"{self.steps} steps, {self.wall * ms:.2f} ms each: {parts}"
+
+
 @dataclass
 class SpecResult:
     setting: str
@@ -99,6 +130,9 @@ class SpecResult:
     drafts: int
     emitted_tokens: int
     same_as_baseline: Optional[bool]
+    verifying_steps: StepBreakdown = field(default_factory=StepBreakdown)
+    plain_steps: StepBreakdown = field(default_factory=StepBreakdown)
+    verify_graph_replays: int = 0  # verifying steps that replayed a CUDA graph (padded or not)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -129,6 +163,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"Default: {DEFAULT_SPECS[0]}")
     p.add_argument("--no-chat-template", action="store_true",
                    help="send the instructions as plain text instead of through the model's chat template")
+    p.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                   help="after the timed runs, profile N decode steps of each setting's largest batch "
+                        "(torch.profiler) and print the kernels' device time per step (default 0: none)")
     p.add_argument("--output-json", default=None, help="write the results here")
     EngineArgs.add_cli_args(p, skip=("speculative_config", "max_num_seqs", *KV_TRANSFER_FIELDS))
 
@@ -153,8 +190,16 @@ def measure(llm, prompts: list[list[int]], max_tokens: int, setting: str,
     for rid, prompt in zip(tokens, prompts):
         engine.add_request(rid, prompt, params)
     all_started = None
+    verifying, plain = StepBreakdown(), StepBreakdown()
+    graphs = engine.runner.verify_graphs
+    replays_before = graphs.replays if graphs is not None else 0
     while engine.has_unfinished():
-        for out in engine.step():
+        t0 = time.perf_counter()
+        outs = engine.step()
+        if all_started is not None:
+            times = engine.step_times
+            (verifying if times.draft_tokens else plain).add(time.perf_counter() - t0, times)
+        for out in outs:
             if out.error is not None:
                 raise out.error
             tokens[out.request_id] += out.new_token_ids
@@ -172,8 +217,42 @@ def measure(llm, prompts: list[list[int]], max_tokens: int, setting: str,
         after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens,
         after.spec_decode_num_drafts - before.spec_decode_num_drafts,
         after.spec_decode_num_emitted_tokens - before.spec_decode_num_emitted_tokens,
-        None if baseline is None else outputs == baseline)
+        None if baseline is None else outputs == baseline, verifying, plain,
+        (graphs.replays - replays_before) if graphs is not None else 0)
     return result, outputs
+
+
+def profile_decode(llm, prompts: list[list[int]], max_tokens: int, steps: int) -> str:
+    """The kernels' device time over `steps` decode steps of these prompts
+    (torch.profiler; its host overhead makes the steps themselves slower, so
+    this runs after, not during, the timed run), per step, largest first."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from tandem.engine import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    started: set[str] = set()
+    ids = [f"profile-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, params)
+    while engine.has_unfinished() and len(started) < len(ids):
+        started.update(out.request_id for out in engine.step() if out.new_token_ids)
+    _sync(engine)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    done = 0
+    with profile(activities=activities) as prof:
+        while engine.has_unfinished() and done < steps:
+            engine.step()
+            done += 1
+        _sync(engine)
+    engine.abort(ids)
+    while engine.has_unfinished():
+        engine.step()
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    header = f"torch.profiler over {done} decode steps (times are totals; divide by {done} for a step)"
+    return header + "\n" + prof.key_averages().table(sort_by=sort, row_limit=20)
 
 
 def _sync(engine) -> None:
@@ -204,6 +283,12 @@ def run(args: argparse.Namespace) -> int:
             results.append(result)
             print(f"{name} batch {batch}: {result.decode_tokens_per_s:.1f} decode tok/s, acceptance "
                   f"{result.acceptance_rate:.2f}, {result.tokens_per_step:.2f} tokens/step", file=sys.stderr)
+            print(f"  verifying steps: {result.verifying_steps.line()}; {result.verify_graph_replays} "
+                  f"replayed a CUDA graph\n  plain steps: {result.plain_steps.line()}", file=sys.stderr)
+        if args.profile_steps > 0:
+            prompts = _prompts(llm, max(batch_sizes), not args.no_chat_template)
+            print(f"{name} batch {max(batch_sizes)}:\n"
+                  f"{profile_decode(llm, prompts, args.max_tokens, args.profile_steps)}", file=sys.stderr)
         del llm
         gc.collect()
     print(f"{'setting':<60}{'batch':>6}{'decode tok/s':>14}{'speedup':>9}{'accept':>8}{'tok/step':>9}"

@@ -56,6 +56,7 @@ class StepTimes:
     sample: float = 0.0
     update: float = 0.0
     propose: float = 0.0  # speculative decoding: the next step's draft tokens (a draft model's forwards)
+    draft_tokens: int = 0  # speculative decoding: the draft tokens this step verified
 
     @property
     def host(self) -> float:
@@ -454,6 +455,7 @@ class LLMEngine:
         t6 = clock()
         times.schedule, times.prepare, times.forward = t1 - t0, t2 - t1_loaded, t3 - t2
         times.sample, times.update, times.propose = t4 - t3, t5 - t4, t6 - t5
+        times.draft_tokens = sum(plan.num_draft_tokens) if plan.num_draft_tokens else 0
         if t6 - t0 >= SLOW_STEP_S:
             self._log_slow_step(t6 - t0, t1_loaded - t1, times, plan, compiles_before)
         return outputs
