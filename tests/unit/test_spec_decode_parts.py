@@ -230,6 +230,31 @@ def test_prompt_lookup_proposes_what_followed_the_suffix(tokens, lo, hi, k, want
     assert propose_ngram(tokens, lo, hi, k) == want
 
 
+def _lookup_by_definition(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
+    """The rule read literally: for n from hi down to lo, the latest earlier
+    window equal to the last n tokens with a token after it; copy on from there."""
+    for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                out: list[int] = []
+                for i in range(k):
+                    pos = start + n + i
+                    out.append(tokens[pos] if pos < len(tokens) else out[pos - len(tokens)])
+                return out
+    return []
+
+
+def test_prompt_lookup_follows_its_rule_on_random_sequences():
+    rng = random.Random(11)
+    for _ in range(400):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
+        lo = rng.randrange(1, 4)
+        hi = lo + rng.randrange(0, 4)
+        k = rng.randrange(1, 6)
+        assert propose_ngram(tokens, lo, hi, k) == _lookup_by_definition(tokens, lo, hi, k), (tokens, lo, hi, k)
+
+
 def test_the_ngram_proposer_keeps_each_requests_tokens_up_to_date():
     rng = random.Random(3)
     proposer = NgramProposer(1, 3)
