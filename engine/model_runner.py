@@ -290,7 +290,8 @@ class ModelRunner:
             ends = query_start_loc[np.array(plan.sampled, dtype=np.int64) + 1]
             firsts = np.cumsum(counts) - counts
             rows_sampled = np.repeat(ends - counts - firsts, counts) + np.arange(int(counts.sum()))
-            logits_indices = torch.from_numpy(rows_sampled).to(dev, non_blocking=True)
+            if len(rows_sampled) < len(plan.token_ids):  # else every row, in order: no gather
+                logits_indices = torch.from_numpy(rows_sampled).to(dev, non_blocking=True)
         elif len(plan.sampled) != len(plan.token_ids):
             rows_sampled = query_start_loc[np.array(plan.sampled, dtype=np.int64) + 1] - 1
             logits_indices = torch.from_numpy(rows_sampled).to(dev, non_blocking=True)
