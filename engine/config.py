@@ -316,7 +316,7 @@ class EngineArgs:
         "way from the device, so the host's work (scheduling, preparing inputs, stop rules, text) "
         "overlaps the GPU's: auto (on GPUs), on (on the CPU too, where it gains nothing), off. "
         "Steps whose next sampling needs this step's tokens on the host (grammars, penalties, "
-        "min_tokens, speculative decoding) run in turn either way; a request "
+        "min_tokens, steps with draft tokens, a draft model) run in turn either way; a request "
         "that stops computes one token more, which is dropped", group=_RUNTIME)
     attention_backend: AttentionBackend = flag_field(
         "auto", "kernels on CUDA: auto or triton run the Triton kernels; torch runs their "

@@ -186,14 +186,19 @@ class LLMEngine:
         # came from prefill), handed out by the next step().
         self._ready: list[RequestOutput] = []
         # Asynchronous scheduling: the step whose sampled tokens are still on
-        # their way to the host (taken by the next step()). Speculative
-        # decoding needs each step's tokens on the host; tensor-parallel
-        # workers get them from rank 0's device (TPWorkers.run).
+        # their way to the host (taken by the next step()); tensor-parallel
+        # workers get them from rank 0's device (TPWorkers.run). Speculative
+        # decoding proposes from each step's tokens on the host: with prompt
+        # lookup, steps without drafts still go asynchronously, and a lookup one
+        # token behind (_propose_next) says when to wait for the tokens and
+        # propose; a draft model's proposals cannot be probed so, and its
+        # engine steps in turn.
         self._inflight: Optional[_InFlight] = None
+        self._propose_next = False
         self._unseen_freed: list[str] = []  # freed ids of plans that did not run (step)
         self.async_scheduling = (config.async_scheduling == "on" or (
             config.async_scheduling == "auto" and self.runner.device.type == "cuda")) and \
-            self.speculator is None
+            (self.speculator is None or self.speculator.can_probe)
 
     def _eos_token_id(self) -> Optional[int]:
         eos = getattr(self.info.hf_config, "eos_token_id", None)
@@ -379,6 +384,15 @@ class LLMEngine:
         times, clock = self.step_times, time.perf_counter
         t0 = clock()
         compiles_before = compile_log.compiles()
+        if self._propose_next:
+            # A lookup one token behind found drafts: this step waits for the
+            # tokens in flight, so that its proposals follow the last of them.
+            self._propose_next = False
+            if inflight is not None:
+                ready += self._take(inflight)
+                self._forget_finished(inflight.requests)
+                self.speculator.propose(inflight.requests, len(scheduler.running))
+                inflight = None
         plan = scheduler.schedule()
         if self.speculator is not None:
             self.speculator.forget(plan.freed_request_ids)  # preempted ones (the rest went already)
@@ -424,6 +438,7 @@ class LLMEngine:
         if logits is not None and plan.num_draft_tokens:
             result = self._verify(logits, requests, scheduler.sampling_drafts)
             t4 = clock()
+            outputs += self._take(inflight)  # the step before's tokens come first
             outputs += scheduler.update_verified(result.token_ids, result.logprobs, result.num_accepted,
                                                  result.errors)
         elif logits is not None and self._defers(requests):
@@ -448,10 +463,11 @@ class LLMEngine:
             outputs += self._take(inflight)
         t5 = clock()
         if self.speculator is not None and logits is not None:
-            # Finished requests' draft state goes now, not with the next plan's
-            # freed ids: an idle engine holds no draft blocks.
-            self.speculator.forget([r.request_id for r in requests if r.is_finished])
-            self.speculator.propose(requests, len(scheduler.running))  # those still running
+            self._forget_finished(requests)
+            if self._inflight is None:
+                self.speculator.propose(requests, len(scheduler.running))  # those still running
+            else:  # this step's tokens are in flight: look up without them (see _step's start)
+                self._propose_next = self.speculator.would_propose(requests, len(scheduler.running))
         t6 = clock()
         times.schedule, times.prepare, times.forward = t1 - t0, t2 - t1_loaded, t3 - t2
         times.sample, times.update, times.propose = t4 - t3, t5 - t4, t6 - t5
@@ -459,6 +475,11 @@ class LLMEngine:
         if t6 - t0 >= SLOW_STEP_S:
             self._log_slow_step(t6 - t0, t1_loaded - t1, times, plan, compiles_before)
         return outputs
+
+    def _forget_finished(self, requests: list[Request]) -> None:
+        """Finished requests' draft state goes now, not with the next plan's
+        freed ids: an idle engine holds no draft blocks."""
+        self.speculator.forget([r.request_id for r in requests if r.is_finished])
 
     def _log_slow_step(self, seconds: float, loading: float, times, plan: SchedulerOutput,
                        compiles_before: int) -> None:
@@ -522,7 +543,8 @@ class LLMEngine:
                     result.errors[i] = sampled.errors[j]
         if spec:
             rows = [r for i in spec for r in range(last_rows[i] - counts[i] + 1, last_rows[i] + 1)]
-            verified = self.rejection_sampler(logits[rows], [requests[i] for i in spec], [drafts[i] for i in spec])
+            spec_logits = logits if len(rows) == len(logits) else logits[rows]  # all rows, in order: no gather
+            verified = self.rejection_sampler(spec_logits, [requests[i] for i in spec], [drafts[i] for i in spec])
             for j, i in enumerate(spec):
                 per_request[i] = (verified.token_ids[j], verified.logprobs[j], verified.num_accepted[j])
                 if j in verified.errors:

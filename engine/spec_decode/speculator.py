@@ -84,13 +84,40 @@ class Speculator:
         if request_ids:
             self.proposer.forget(request_ids)
 
+    @property
+    def can_probe(self) -> bool:
+        """Whether would_propose may run between steps: prompt lookup keeps no
+        state a lookup changes and costs microseconds a request; a draft
+        model's proposals are its forwards, which move its KV."""
+        return isinstance(self.proposer, NgramProposer)
+
     def propose(self, requests: Sequence[Request], num_running: int = 0) -> None:
         """Set spec_token_ids of each running request in `requests` that speculates.
         num_running: the engine's running requests; above the config's
         disable_by_batch_size nothing is proposed (the next step decodes plainly)."""
+        chosen, ks = self._chosen(requests, num_running)
+        if not chosen:
+            return
+        with unsplit():
+            proposals = self.proposer.propose(chosen, ks)
+        for request, drafts in zip(chosen, proposals):
+            if drafts:
+                request.spec_token_ids = drafts
+
+    def would_propose(self, requests: Sequence[Request], num_running: int = 0) -> bool:
+        """Whether propose() would give any of `requests` drafts, setting none
+        (can_probe proposers only). Asynchronous scheduling asks it while a
+        step's tokens are still on the device: a lookup one token behind
+        predicts whether the next one finds drafts."""
+        chosen, ks = self._chosen(requests, num_running)
+        # One request at a time: the first with drafts answers.
+        return any(self.proposer.propose([r], [k])[0] for r, k in zip(chosen, ks))
+
+    def _chosen(self, requests: Sequence[Request], num_running: int) -> tuple[list[Request], list[int]]:
+        """The requests that get proposals, and how many tokens each at most."""
         off_above = self.config.disable_by_batch_size
         if off_above is not None and num_running > off_above:
-            return
+            return [], []
         chosen: list[Request] = []
         ks: list[int] = []
         for request in requests:
@@ -103,13 +130,7 @@ class Speculator:
             if k > 0:
                 chosen.append(request)
                 ks.append(k)
-        if not chosen:
-            return
-        with unsplit():
-            proposals = self.proposer.propose(chosen, ks)
-        for request, drafts in zip(chosen, proposals):
-            if drafts:
-                request.spec_token_ids = drafts
+        return chosen, ks
 
 
 def _load_draft(config: EngineConfig, target: ModelInfo):

@@ -97,6 +97,31 @@ def test_prompt_lookup_gives_the_same_output_through_preemption(workload, ngram)
     assert_all_blocks_back(llm)
 
 
+def test_prompt_lookup_under_asynchronous_scheduling_defers_plain_steps_and_answers_the_same(workload):
+    """Steps without drafts leave their tokens in flight; a lookup one token
+    behind makes the engine wait for them and propose, so drafts still come."""
+    prompts, params, refs = workload
+    llm = LLM(speculative_config=NGRAM, num_blocks=18, async_scheduling="on")
+    engine = llm.engine
+    assert engine.async_scheduling
+    tokens: dict[str, list[int]] = {}
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), prompt, p)
+        tokens[str(i)] = []
+    deferred = verifying = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        deferred += engine._inflight is not None
+        verifying += engine.step_times.draft_tokens > 0
+    assert [tokens[str(i)] for i in range(len(prompts))] == [r.outputs[0].token_ids for r in refs]
+    assert deferred > 3, "steps without drafts go asynchronously"
+    assert verifying > 3, "and drafts are still proposed and verified"
+    assert engine.stats().num_preemptions > 0
+    assert_all_blocks_back(llm)
+    assert_same_output(llm.generate(prompts, params), refs)
+
+
 def test_sampled_requests_speculate_too(workload, ngram):
     prompts, _, _ = workload
     llm = ngram
