@@ -15,7 +15,7 @@ plain): the engine's own phase timers (engine/llm_engine.py StepTimes; on a
 GPU `sample` is mostly the wait for the device) and how many verifying
 steps replayed a CUDA graph. --profile-steps N then runs each setting's
 largest batch once more under torch.profiler for N decode steps and prints
-the kernels' device time per step.
+the operations' device time and host time.
 The table says whether the greedy outputs equal those without speculation:
 in fp32 they must; in bf16 a step that verifies k tokens computes in another
 batch shape than one that decodes one, and a near tie may flip a token, as
@@ -165,7 +165,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="send the instructions as plain text instead of through the model's chat template")
     p.add_argument("--profile-steps", type=int, default=0, metavar="N",
                    help="after the timed runs, profile N decode steps of each setting's largest batch "
-                        "(torch.profiler) and print the kernels' device time per step (default 0: none)")
+                        "(torch.profiler) and print the operations' device and host time (default 0: none)")
     p.add_argument("--output-json", default=None, help="write the results here")
     EngineArgs.add_cli_args(p, skip=("speculative_config", "max_num_seqs", *KV_TRANSFER_FIELDS))
 
@@ -250,9 +250,13 @@ def profile_decode(llm, prompts: list[list[int]], max_tokens: int, steps: int) -
     engine.abort(ids)
     while engine.has_unfinished():
         engine.step()
-    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     header = f"torch.profiler over {done} decode steps (times are totals; divide by {done} for a step)"
-    return header + "\n" + prof.key_averages().table(sort_by=sort, row_limit=20)
+    table = prof.key_averages()
+    host = "the host's own time (self CPU), largest first\n" + table.table(sort_by="self_cpu_time_total", row_limit=20)
+    if not torch.cuda.is_available():
+        return header + "\n" + host
+    return (header + "\nthe device's time, largest first\n" + table.table(sort_by="self_cuda_time_total", row_limit=20)
+            + "\n" + host)
 
 
 def _sync(engine) -> None:

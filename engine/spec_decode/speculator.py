@@ -110,8 +110,7 @@ class Speculator:
         step's tokens are still on the device: a lookup one token behind
         predicts whether the next one finds drafts."""
         chosen, ks = self._chosen(requests, num_running)
-        # One request at a time: the first with drafts answers.
-        return any(self.proposer.propose([r], [k])[0] for r, k in zip(chosen, ks))
+        return bool(chosen) and any(self.proposer.propose(chosen, ks))
 
     def _chosen(self, requests: Sequence[Request], num_running: int) -> tuple[list[Request], list[int]]:
         """The requests that get proposals, and how many tokens each at most."""

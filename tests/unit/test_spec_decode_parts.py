@@ -9,6 +9,7 @@ import argparse
 import collections
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,7 +20,7 @@ from tandem.engine.request import Request, RequestStatus, SamplingParams
 from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.spec_decode.config import SpeculativeConfig
-from tandem.engine.spec_decode.ngram_proposer import NgramProposer, propose_ngram
+from tandem.engine.spec_decode.ngram_proposer import NgramProposer, propose_ngram, propose_ngram_batch
 from tandem.engine.spec_decode.rejection_sampler import RejectionSampler, accept_greedy
 
 BS = 4  # tokens per block: drafts cross block boundaries often
@@ -253,6 +254,18 @@ def test_prompt_lookup_follows_its_rule_on_random_sequences():
         hi = lo + rng.randrange(0, 4)
         k = rng.randrange(1, 6)
         assert propose_ngram(tokens, lo, hi, k) == _lookup_by_definition(tokens, lo, hi, k), (tokens, lo, hi, k)
+
+
+def test_prompt_lookup_over_a_batch_equals_each_sequence_alone():
+    rng = random.Random(12)
+    for _ in range(300):
+        sequences = [np.array([rng.randrange(4) for _ in range(rng.randrange(1, 40))], dtype=np.int64)
+                     for _ in range(rng.randrange(1, 7))]
+        lo = rng.randrange(1, 4)
+        hi = lo + rng.randrange(0, 4)
+        ks = [rng.randrange(0, 7) for _ in sequences]
+        assert propose_ngram_batch(sequences, lo, hi, ks) == \
+            [propose_ngram(s, lo, hi, k) for s, k in zip(sequences, ks)], (sequences, lo, hi, ks)
 
 
 def test_the_ngram_proposer_keeps_each_requests_tokens_up_to_date():
