@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import gc
 import logging
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -42,6 +43,21 @@ def padded_rows(q_lens: np.ndarray, query_len: int) -> np.ndarray:
     rows of entry i) goes in the graph's layout of query_len rows an entry."""
     starts = np.cumsum(q_lens) - q_lens
     return np.repeat(np.arange(len(q_lens)) * query_len - starts, q_lens) + np.arange(int(q_lens.sum()))
+
+
+@dataclass
+class GraphOutput:
+    """A replay's hidden states: every row of its bucket, padding included,
+    so that what is computed from them next (the LM head) has the bucket's
+    fixed shape; and which of those rows are the batch's."""
+
+    padded: torch.Tensor
+    n: int  # the batch's rows are the first n ...
+    rows: Optional[torch.Tensor] = None  # ... or these (a verifying batch in the graph's layout)
+
+    def select(self, t: torch.Tensor) -> torch.Tensor:
+        """The batch's rows of t (rows in the bucket's order), in the batch's order."""
+        return t[: self.n] if self.rows is None else t[self.rows]
 
 
 class DecodeGraphs:
@@ -109,6 +125,10 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
                 self.outputs[b] = self.model(*args)
+            # A graph's first launch uploads it to the device, which costs
+            # the host far more than a replay: here, not in a served step.
+            # Its inputs are the warm-up's (no KV written).
+            graph.replay()
             self.graphs[b] = graph
         torch.cuda.synchronize()
         log.info("captured %s CUDA graphs for batch sizes %s",
@@ -129,7 +149,7 @@ class DecodeGraphs:
         i = bisect.bisect_left(self.sizes, num_seqs)
         return self.sizes[i] if i < len(self.sizes) else None
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> GraphOutput:
         """Hidden states of a decode-only batch (one token per sequence)."""
         n = input_ids.shape[0]
         b = self.bucket(n)
@@ -144,7 +164,7 @@ class DecodeGraphs:
             self.seq_lens[n:b].fill_(0)
         self.graphs[b].replay()
         self.replays += 1
-        return self.outputs[b][:n]
+        return GraphOutput(self.outputs[b], n)
 
     def fits_verify(self, q_lens: np.ndarray, num_computed: np.ndarray) -> bool:
         """Whether a graph takes this verifying batch: a bucket for its size, no
@@ -154,7 +174,7 @@ class DecodeGraphs:
                 and int(num_computed.max()) + self.query_len <= self.max_model_len)
 
     def run_verify(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                   q_lens: np.ndarray, num_computed: np.ndarray) -> torch.Tensor:
+                   q_lens: np.ndarray, num_computed: np.ndarray) -> GraphOutput:
         """Hidden states of a verifying batch (every entry's 1 + d rows, d <= k),
         in its own row order. q_lens, num_computed: each entry's rows and tokens
         computed before this step (the plan's). Check fits_verify first."""
@@ -184,5 +204,4 @@ class DecodeGraphs:
             self.seq_lens[n:b].fill_(q)
         self.graphs[b].replay()
         self.replays += 1
-        out = self.outputs[b]
-        return out[:rows] if dest is None else out[dest]
+        return GraphOutput(self.outputs[b], rows, dest)

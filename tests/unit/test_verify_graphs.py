@@ -74,9 +74,9 @@ class EmulatedGraphs(DecodeGraphs):
 
 
 def test_verifying_steps_through_the_graph_layout_give_the_eager_tokens(tmp_path):
-    """The same requests, speculating, with and without the verifying graphs'
-    layout (uniform and padded batches, padding sequences): the same greedy
-    tokens. Real CUDA graphs: tests/gpu/test_spec_decode_gpu.py."""
+    """The same requests, speculating, with and without the graphs' layout
+    (verifying batches uniform and padded, padding sequences; decode
+    batches; the LM head over each bucket's rows): the same greedy tokens. Real CUDA graphs: tests/gpu/test_spec_decode_gpu.py."""
     import random
 
     from tandem.engine import LLM, SamplingParams
@@ -93,14 +93,17 @@ def test_verifying_steps_through_the_graph_layout_give_the_eager_tokens(tmp_path
         llm = LLM(path, device="cpu", dtype="float32", num_blocks=256, max_num_seqs=8, speculative_config=spec)
         try:
             runner = llm.engine.runner
-            if emulate:
-                runner.verify_graphs = EmulatedGraphs(runner.model, runner.kv_caches, 8, llm.engine.max_model_len,
-                                                      runner.block_size, torch.device("cpu"), query_len=4)
+            if emulate:  # decode steps through the decode graphs' layout too
+                layout = (runner.model, runner.kv_caches, 8, llm.engine.max_model_len, runner.block_size,
+                          torch.device("cpu"))
+                runner.graphs = EmulatedGraphs(*layout)
+                runner.verify_graphs = EmulatedGraphs(*layout, query_len=4)
             tokens[emulate] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
             tokens[emulate] += [o.outputs[0].token_ids for o in llm.generate(prompts[:1], params)]
             if emulate:
                 graphs = runner.verify_graphs
                 assert graphs.replays > graphs.padded_replays > 0, (graphs.replays, graphs.padded_replays)
+                assert runner.graphs.replays > 0
         finally:
             llm.shutdown()
     assert tokens[True] == tokens[False]
