@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -102,10 +103,12 @@ class StepBreakdown:
     steps: int = 0
     wall: float = 0.0
     phases: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    walls: list = field(default_factory=list)  # each step's, for the median
 
     def add(self, wall: float, times) -> None:
         self.steps += 1
         self.wall += wall
+        self.walls.append(wall)
         for name in PHASES:
             self.phases[name] += getattr(times, name)
 
@@ -114,7 +117,8 @@ class StepBreakdown:
             return "none"
         ms = 1e3 / self.steps
         parts = ", ".join(f"{name} {self.phases[name] * ms:.2f}" for name in PHASES)
-        return f"{self.steps} steps, {self.wall * ms:.2f} ms each: {parts}"
+        median = statistics.median(self.walls) * 1e3
+        return f"{self.steps} steps, {self.wall * ms:.2f} ms each (median {median:.2f}): {parts}"
 
 
 @dataclass
