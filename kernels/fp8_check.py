@@ -5,14 +5,18 @@ dequantizing twin (fp8_torch.py), and on a GPU time them against bf16.
     python -m tandem.kernels.fp8_check --device cuda --bench             # on a GPU (8.9+)
 
 Cases: the one-row GEMV and the skinny GEMM at 1-150 rows (with and without
-bias, widths that are not multiples of their tiles) and, on CUDA, the
-activation quantizer, the FP8 GEMM (torch._scaled_mm) and the layer's own
-choice. The quantizer is not checked under the interpreter: its fp32 -> e4m3
-cast is wrong where rounding carries into the next power of two (125.1
-becomes 64, not 128). --bench times the layers of an 8B Llama (q/k/v, o,
-gate/up, down) at 1, 8, 64 and 256 rows: bf16 matmul, the quantizer alone,
-the FP8 GEMM and, at one row, the GEMV under a few tile choices, each with
-the quantizer (median of CUDA graph replays).
+bias, widths that are not multiples of their tiles), the GEMV quantizing its
+rows itself (up to 16 rows on the CPU) and, on CUDA, the activation
+quantizer, the FP8 GEMM (torch._scaled_mm) and the layer's own choice. The
+quantizer is not checked under the interpreter: its fp32 -> e4m3 cast is
+wrong where rounding carries into the next power of two (125.1 becomes 64,
+not 128). The fused GEMV is: bit for bit against the quantizer then the GEMV
+(both take the same cast), and against the twin on rows built so that no
+rounding carries (e4m3_rows). --bench times the layers of an 8B Llama (q/k/v,
+o, gate/up, down) at 1, 8, 64 and 256 rows: bf16 matmul, the quantizer alone,
+the FP8 GEMM and, at one row, the layer's own choice and the GEMV under a few
+tile choices, after the quantizer and fused with it (median of CUDA graph
+replays).
 
 Exit status 0 when every case agrees; the last line says how many were checked.
 """
@@ -39,6 +43,21 @@ FP8_GEMM_TOLERANCE = 2 ** -5
 SHAPES = ((1, 256, 96, False), (1, 200, 40, True), (3, 200, 80, True), (8, 512, 64, False), (16, 96, 40, True),
           (64, 256, 128, False), (150, 120, 72, True))
 LLAMA_8B_LAYERS = (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096))
+
+
+def e4m3_rows(rows: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """fp32 rows that quantize without a rounding carry: row i's largest
+    magnitude is 448 * 2^p_i (its scale then exactly 2^p_i, p_i != 0 so a
+    scale left out shows), every other entry an e4m3 value e times 2^p_i
+    plus 0 to 3/8 of e's step (so the cast does round, down to e, and a
+    cast left out shows). Exact in bf16 (at most 7 significant bits)."""
+    e = (torch.randn(rows, k, generator=gen) * 64).clamp(-416, 416).to(torch.float8_e4m3fn).float()
+    # e4m3's step above |e|: 2^(exponent - 3) for normals, 2^-9 below 2^-6
+    step = torch.ldexp(torch.ones_like(e), torch.frexp(e.abs()).exponent - 4).clamp(min=2.0 ** -9)
+    x = e + e.sign() * torch.randint(0, 4, e.shape, generator=gen) / 8 * step
+    x[torch.arange(rows), torch.randint(0, k, (rows,), generator=gen)] = 448.0
+    powers = torch.tensor([-6, -3, -1, 1, 2, 4])
+    return torch.ldexp(x, powers[torch.randint(0, len(powers), (rows, 1), generator=gen)])
 
 
 def cases(device: str) -> Iterator[Case]:
@@ -73,13 +92,33 @@ def cases(device: str) -> Iterator[Case]:
                 # "layer": whichever path the layer picks, the FP8 GEMM's included
                 yield f"{name} {shape}", (err <= (FP8_GEMM_TOLERANCE if name in ("fp8 gemm", "layer")
                                                   else TOLERANCE[dtype]), err)
+            # The layer runs it at one row; a few rows show each has its own
+            # scale (64-150 rows take the interpreter 5 s a call).
+            if rows > 16 and device != "cuda":
+                continue
+            # The GEMV quantizing its rows itself: the quantizer's then the
+            # GEMV's operations, so at the same tiles (64-wide steps: several
+            # for the amax) their very bits, under the interpreter too (both
+            # sides take its cast) ...
+            tiles = dict(block_n=16, block_k=64)
+            fused = fp8_gemv(x, None, wq, ws, bias, dtype, **tiles)
+            two = fp8_gemv(*quantize_rows_triton(x), wq, ws, bias, dtype, **tiles)
+            yield f"fused gemv = quantizer + gemv {shape}", (torch.equal(fused, two), relative_error(fused, two))
+            # ... and the twin's numbers, on rows whose quantization the
+            # interpreter's cast gets right (no rounding carries into the
+            # next power of two): there the interpreter checks the fused
+            # quantization itself, not only its agreement with the quantizer's.
+            xe = e4m3_rows(rows, k, gen).to(device=device, dtype=dtype)
+            err = relative_error(fp8_gemv(xe, None, wq, ws, bias, dtype), fp8_linear_torch(xe, wq, ws, bias))
+            yield f"fused gemv {shape} (carry-free rows)", (err <= TOLERANCE[dtype], err)
 
 
 def bench() -> None:
     """Times of an 8B Llama's layers (microseconds, median of CUDA graph
     replays, as the engine runs them): bf16, the quantizer alone, the FP8
-    GEMM, and the CUDA-core kernel under a few tile choices (quantizer
-    included), so the defaults come from numbers."""
+    GEMM, and at one row the layer's own choice and the CUDA-core kernel
+    under a few tile choices, after the quantizer (gemv) and quantizing the
+    row itself (fused), so the defaults come from numbers."""
     import triton.testing
 
     from tandem.kernels.fp8_triton import fp8_gemv, fp8_linear_cuda, quantize_rows_triton
@@ -87,7 +126,7 @@ def bench() -> None:
     def time_us(fn) -> float:
         return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
 
-    gemv_configs = [(4, 1024, 4, 3), (8, 512, 4, 3), (8, 1024, 4, 3)]
+    gemv_configs = [(4, 1024, 4, 3), (8, 512, 4, 3), (8, 1024, 4, 3), (16, 512, 4, 3)]
     for name, k, n in LLAMA_8B_LAYERS:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         wq, ws = quantize_weight(w)
@@ -96,11 +135,14 @@ def bench() -> None:
             cells = {"bf16": time_us(lambda: x @ w.t()), "quant": time_us(lambda: quantize_rows_triton(x)),
                      "gemm": time_us(lambda: fp8_linear_cuda(x, wq, ws, skinny=False))}
             if rows <= 1:
+                cells["layer"] = time_us(lambda: fp8_linear_cuda(x, wq, ws))
                 for bn, bk, nw, ns in gemv_configs:
-                    cells[f"gemv{bn}x{bk}w{nw}s{ns}"] = time_us(lambda: fp8_gemv(
-                        *quantize_rows_triton(x), wq, ws, None, x.dtype, block_n=bn, block_k=bk, num_warps=nw,
-                        num_stages=ns))
-            best = min((v, c) for c, v in cells.items() if c not in ("bf16", "quant"))
+                    tiles = dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+                    cells[f"gemv{bn}x{bk}w{nw}s{ns}"] = time_us(
+                        lambda: fp8_gemv(*quantize_rows_triton(x), wq, ws, None, x.dtype, **tiles))
+                    cells[f"fused{bn}x{bk}w{nw}s{ns}"] = time_us(
+                        lambda: fp8_gemv(x, None, wq, ws, None, x.dtype, **tiles))
+            best = min((v, c) for c, v in cells.items() if c not in ("bf16", "quant", "layer"))
             print(f"{name:<8} rows={rows:<4} " + " ".join(f"{c}={v:.1f}" for c, v in cells.items())
                   + f"  best {best[1]} {cells['bf16'] / best[0]:.2f}x bf16")
 
