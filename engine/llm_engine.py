@@ -407,7 +407,7 @@ class LLMEngine:
             # workers: this one's freed ids go with the next, or a request that
             # preempted itself here would come back onto its old block list.
             self._unseen_freed += plan.freed_request_ids
-            return ready + self._take(inflight)
+            return ready + self._take(inflight) + scheduler.take_text()
         if self._unseen_freed:
             plan.freed_request_ids[:0] = self._unseen_freed
             self._unseen_freed = []
@@ -433,14 +433,17 @@ class LLMEngine:
         if after_layer is not None:
             connector.wait_for_save()
         t3 = clock()
-        outputs = ready
+        # The text of the verifying step before, while this one runs.
+        outputs = ready + scheduler.take_text()
         requests = scheduler.sampling_requests
         if logits is not None and plan.num_draft_tokens:
             result = self._verify(logits, requests, scheduler.sampling_drafts)
             t4 = clock()
             outputs += self._take(inflight)  # the step before's tokens come first
+            # Under asynchronous scheduling the text waits for the next step's
+            # launch (Scheduler.take_text), as a plain step's tokens do.
             outputs += scheduler.update_verified(result.token_ids, result.logprobs, result.num_accepted,
-                                                 result.errors)
+                                                 result.errors, defer_text=self.async_scheduling)
         elif logits is not None and self._defers(requests):
             pending = self.sampler.launch(logits, requests)
             t4 = clock()

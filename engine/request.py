@@ -329,12 +329,13 @@ class Request:
         if logprob is not None:
             self.logprobs.append(logprob)
 
-    def take_token(self, token_id: int, logprob: Optional[TokenLogprob], max_model_len: int
-                   ) -> Optional[RequestStatus]:
+    def take_token(self, token_id: int, logprob: Optional[TokenLogprob], max_model_len: int,
+                   detokenize: bool = True) -> Optional[RequestStatus]:
         """Append a sampled token and apply the stop rules to it: EOS and stop
         token ids (once min_tokens is reached), stop strings (the text is cut
         there), then max_tokens and the model's context. Returns the finished
-        status, or None while the request goes on."""
+        status, or None while the request goes on. detokenize=False leaves the
+        text to the caller (a request without stop strings, whose text stops nothing)."""
         outputs = self.output_token_ids
         outputs.append(token_id)
         self.all_token_ids.append(token_id)
@@ -348,7 +349,7 @@ class Request:
                 status = RequestStatus.FINISHED_STOPPED
             elif token_id in self.stop_token_set:
                 status, self.stop_reason = RequestStatus.FINISHED_STOPPED, token_id
-        detok = self.detokenizer
+        detok = self.detokenizer if detokenize else None
         stop_str = detok.add(token_id) if detok is not None else None
         if status is None and stop_str is not None:
             status, self.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str

@@ -122,6 +122,29 @@ def test_prompt_lookup_under_asynchronous_scheduling_defers_plain_steps_and_answ
     assert_same_output(llm.generate(prompts, params), refs)
 
 
+def test_a_request_aborted_while_its_text_waits_gets_no_more_output(workload):
+    """Under asynchronous scheduling a verifying step's text comes with the
+    next step (Scheduler.take_text); a request aborted in between gets none
+    of it, and gives every block back."""
+    prompts, _, _ = workload
+    llm = LLM(speculative_config=NGRAM, async_scheduling="on")
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    engine.add_request("copy", prompts[0], params)
+    engine.add_request("other", prompts[2], params)
+    for _ in range(200):
+        engine.step()
+        if engine.scheduler._untexted:
+            break
+    assert engine.scheduler._untexted, "a verifying step left its text for the next"
+    engine.abort("copy")
+    seen: list[str] = []
+    while engine.has_unfinished():
+        seen += [out.request_id for out in engine.step()]
+    assert "copy" not in seen and "other" in seen
+    assert_all_blocks_back(llm)
+
+
 def test_sampled_requests_speculate_too(workload, ngram):
     prompts, _, _ = workload
     llm = ngram
