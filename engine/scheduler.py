@@ -511,19 +511,7 @@ class Scheduler:
     def _take_tokens(self, request: Request, token_ids: Sequence[int],
                      logprobs: Sequence[Optional[TokenLogprob]]) -> RequestOutput:
         """Take tokens in order until a stop rule ends the request (the rest are cut)."""
-        taken: list[int] = []
-        taken_logprobs: list[TokenLogprob] = []
-        status = None
-        for token, logprob in zip(token_ids, logprobs):
-            status = request.take_token(token, logprob, self.max_model_len)
-            taken.append(token)
-            if logprob is not None:
-                taken_logprobs.append(logprob)
-            if status is not None:
-                break
-        if request.num_computed_tokens > request.num_tokens:
-            # A stop inside the accepted run: KV past the last token taken is not the sequence's.
-            request.num_computed_tokens = request.num_tokens
+        taken, taken_logprobs, status = self._take_run(request, token_ids, logprobs, detokenize=True)
         detok = request.detokenizer
         text = detok.delta(status is not None) if detok is not None else ""
         out = request_output(request, taken, text, taken_logprobs or NO_LOGPROBS, status)
@@ -535,20 +523,30 @@ class Scheduler:
                               logprobs: Sequence[Optional[TokenLogprob]]) -> list[int]:
         """_take_tokens without the text (the request has no stop strings, so
         its text stops nothing): the tokens taken, queued for take_text."""
-        taken: list[int] = []
-        status = None
-        for token, logprob in zip(token_ids, logprobs):
-            status = request.take_token(token, logprob, self.max_model_len, detokenize=False)
-            taken.append(token)
-            if status is not None:
-                break
-        if request.num_computed_tokens > request.num_tokens:
-            request.num_computed_tokens = request.num_tokens
-        taken_logprobs = [lp for lp in logprobs[:len(taken)] if lp is not None]
+        taken, taken_logprobs, status = self._take_run(request, token_ids, logprobs, detokenize=False)
         self._untexted.append((request, taken, taken_logprobs, status))
         if status is not None:
             self.finish(request, status)
         return taken
+
+    def _take_run(self, request: Request, token_ids: Sequence[int], logprobs: Sequence[Optional[TokenLogprob]],
+                  detokenize: bool) -> tuple[list[int], list[TokenLogprob], Optional[RequestStatus]]:
+        """The stop rules over a run of tokens: those taken (up to the first
+        that ends the request), their logprobs, and the finished status."""
+        taken: list[int] = []
+        taken_logprobs: list[TokenLogprob] = []
+        status = None
+        for token, logprob in zip(token_ids, logprobs):
+            status = request.take_token(token, logprob, self.max_model_len, detokenize)
+            taken.append(token)
+            if logprob is not None:
+                taken_logprobs.append(logprob)
+            if status is not None:
+                break
+        if request.num_computed_tokens > request.num_tokens:
+            # A stop inside the accepted run: KV past the last token taken is not the sequence's.
+            request.num_computed_tokens = request.num_tokens
+        return taken, taken_logprobs, status
 
     def take_text(self) -> list[RequestOutput]:
         """The outputs of the tokens update_verified took without their text:
@@ -568,7 +566,7 @@ class Scheduler:
                 text = detok.delta(status is not None)
             try:
                 outputs.append(request_output(request, taken, text, logprobs or NO_LOGPROBS, status))
-            except Exception as exc:  # noqa: BLE001 -- one request's output, not the engine
+            except Exception as exc:  # building this request's output broke on it alone
                 log.exception("request %s failed building its output", request.request_id)
                 outputs.append(self.fail(request, RequestFailedError(
                     f"the engine failed this request: {exc!r}", caused_by_request=False)))
