@@ -308,9 +308,9 @@ class EngineArgs:
     peer_all_reduce: bool = flag_field(
         False, "with --tensor-parallel-size above 1 on GPUs: a one-shot all-reduce through the "
         "GPUs' peer memory (PyTorch's symmetric memory) for tensors up to 128 KiB, NCCL for larger; "
-        "off: NCCL for all. Measured 2%% faster decode at batch 1 on two H200s; off by default "
-        "until a rank lost mid-step is shown to fail the engine cleanly on this path, as it does "
-        "on NCCL's", group=_RUNTIME)
+        "off: NCCL for all. Measured 2%% faster decode at batch 1 on two H200s. A rank lost "
+        "mid-step (killed, or exiting inside a step) failed the engine cleanly on this path in "
+        "one run of each; off by default until it has run more than that", group=_RUNTIME)
     async_scheduling: AsyncScheduling = flag_field(
         "auto", "schedule and queue the next step while this step's sampled tokens are on their "
         "way from the device, so the host's work (scheduling, preparing inputs, stop rules, text) "
