@@ -229,9 +229,10 @@ def fp8_linear_cuda(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     gemm_shapes = k % 16 == 0 and weight.shape[0] % 16 == 0
     use_triton = skinny if skinny is not None else (m <= GEMV_MAX_ROWS or not gemm_shapes)
     if use_triton and m <= GEMV_MAX_ROWS:
-        # The GEMV quantizes as quantize_rows_triton does, whose bits the
-        # twin's quantizer (--attention-backend torch) gives too.
-        if weight.numel() <= FUSED_GEMV_MAX_WEIGHTS:
+        # The GEMV quantizes as quantize_rows_triton does. Another quantizer
+        # (the twin's, under --attention-backend torch) may differ from it in
+        # the last bit of a division (fp8_check), so it runs, as its own launch.
+        if quantize is quantize_rows_triton and weight.numel() <= FUSED_GEMV_MAX_WEIGHTS:
             return fp8_gemv(x, None, weight, weight_scale, bias, x.dtype)
         return fp8_gemv(*quantize(x), weight, weight_scale, bias, x.dtype)
     q, x_scale = quantize(x)
