@@ -512,12 +512,18 @@ class Scheduler:
                      logprobs: Sequence[Optional[TokenLogprob]]) -> RequestOutput:
         """Take tokens in order until a stop rule ends the request (the rest are cut)."""
         taken, taken_logprobs, status = self._take_run(request, token_ids, logprobs, detokenize=True)
-        detok = request.detokenizer
-        text = detok.delta(status is not None) if detok is not None else ""
-        out = request_output(request, taken, text, taken_logprobs or NO_LOGPROBS, status)
+        out = self._run_output(request, taken, taken_logprobs, status)
         if status is not None:
             self.finish(request, status)
         return out
+
+    @staticmethod
+    def _run_output(request: Request, taken: list[int], logprobs: list[TokenLogprob],
+                    status: Optional[RequestStatus]) -> RequestOutput:
+        """The output of a run of tokens whose text the detokenizer has taken."""
+        detok = request.detokenizer
+        text = detok.delta(status is not None) if detok is not None else ""
+        return request_output(request, taken, text, logprobs or NO_LOGPROBS, status)
 
     def _take_tokens_untexted(self, request: Request, token_ids: Sequence[int],
                               logprobs: Sequence[Optional[TokenLogprob]]) -> list[int]:
@@ -557,15 +563,13 @@ class Scheduler:
             if status is None and request.status is RequestStatus.FINISHED_ABORTED:
                 continue
             detok = request.detokenizer
-            text = ""
             if detok is not None:
                 for token in taken:
                     detok.add(token)
                 if status is not None:
                     detok.finish()
-                text = detok.delta(status is not None)
             try:
-                outputs.append(request_output(request, taken, text, logprobs or NO_LOGPROBS, status))
+                outputs.append(self._run_output(request, taken, logprobs, status))
             except Exception as exc:  # building this request's output broke on it alone
                 log.exception("request %s failed building its output", request.request_id)
                 outputs.append(self.fail(request, RequestFailedError(

@@ -35,9 +35,9 @@ class SpeculativeConfig:
     model: Optional[str] = None  # draft_model: a HF folder, .gguf file, Hub id or "smollm2"
     prompt_lookup_min: Optional[int] = None  # ngram: shortest suffix looked up
     prompt_lookup_max: Optional[int] = None  # ngram: longest suffix looked up (tried first)
-    # No proposals while more requests than this run (None: always propose): a
-    # large batch is compute-bound, and verifying drafts there costs more than
-    # it saves (docs/benchmarks.md: 0.70-0.79x at batch 64).
+    # No proposals while more requests than this run (None: always propose):
+    # in a large batch verifying drafts can cost more than it saves
+    # (docs/benchmarks.md: 0.76-1.20x at batch 64 on H100s, by the host's speed).
     disable_by_batch_size: Optional[int] = None
 
     @property

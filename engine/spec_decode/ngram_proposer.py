@@ -18,39 +18,13 @@ if TYPE_CHECKING:
     from tandem.engine.request import Request
 
 
-def propose_ngram(token_ids: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of the
-    longest suffix of token_ids of length in [min_n, max_n]; [] when none occurs.
-    token_ids: a list, or an int64 array. The rule for one sequence; the
-    engine computes it for a step's requests at once (propose_ngram_batch),
-    which the tests hold equal to this."""
-    length = len(token_ids)
-    if k <= 0 or length < min_n + 1:
-        return []
-    tokens = np.asarray(token_ids, dtype=np.int64)
-    # Candidates: earlier positions holding the suffix's last token (with a
-    # token after them). Each pass keeps those whose match with the suffix
-    # goes one token further back, so the last survivors are the longest
-    # matches (up to max_n), the latest of them last. One comparison over the
-    # survivors a pass: half the time of testing every n's windows anew.
-    survivors = np.flatnonzero(tokens[:-1] == tokens[-1])
-    best, matched = survivors, 1
-    for back in range(1, min(max_n, length - 1)):
-        survivors = survivors[survivors >= back]
-        survivors = survivors[tokens[survivors - back] == tokens[length - 1 - back]]
-        if survivors.size == 0:
-            break
-        best, matched = survivors, back + 1
-    if best.size == 0 or matched < min_n:
-        return []
-    return _copy_on(token_ids, int(best[-1]) + 1, k)
-
-
 def propose_ngram_batch(sequences: Sequence[np.ndarray], min_n: int, max_n: int,
                         ks: Sequence[int]) -> list[list[int]]:
-    """propose_ngram of each sequence (int64 arrays) with its k, computed for
-    all of them at once: the same passes over one concatenated array, so a
-    batch of 64 costs a few numpy calls instead of 64 times as many."""
+    """Up to ks[i] tokens that followed the latest earlier occurrence of the
+    longest suffix of sequences[i] (int64 arrays) of length in [min_n,
+    max_n]; [] when none occurs. All sequences go through the same numpy
+    passes over one concatenated array: a batch of 64 costs a few numpy
+    calls, not 64 times as many."""
     n = len(sequences)
     if n == 0:
         return []
@@ -60,8 +34,10 @@ def propose_ngram_batch(sequences: Sequence[np.ndarray], min_n: int, max_n: int,
     lasts = starts + lengths - 1  # each sequence's last position in `flat`
     flat = np.concatenate(sequences)
     owner = np.repeat(np.arange(n), lengths)
-    # As propose_ngram: candidates hold their sequence's last token (its
-    # last position excluded); each pass keeps the matches one token longer.
+    # Candidates: earlier positions holding their sequence's last token (its
+    # last position excluded). Each pass keeps those whose match with the
+    # suffix goes one token further back, so the last survivors of a
+    # sequence are its longest matches (up to max_n), the latest last.
     is_candidate = flat == np.repeat(flat[lasts], lengths)
     is_candidate[lasts] = False
     survivors = np.flatnonzero(is_candidate)
@@ -84,25 +60,14 @@ def propose_ngram_batch(sequences: Sequence[np.ndarray], min_n: int, max_n: int,
     hit = np.flatnonzero((matched >= min_n) & (k_arr > 0))
     out: list[list[int]] = [[] for _ in range(n)]
     if hit.size:
-        # _copy_on for every hit at once: position i after the match copies
-        # follow + i, or, past the end, what it copied `period` tokens earlier.
+        # Position i after the match copies follow + i; a copy that runs into
+        # the end goes on with what it copied `period` tokens earlier (as LZ77
+        # copies overlap), so a repeated phrase is proposed k tokens ahead.
         period = lasts[hit] + 1 - follow[hit]
         steps = np.arange(int(k_arr[hit].max()))
         copied = flat[follow[hit][:, None] + steps[None, :] % period[:, None]].tolist()
         for i, row, k in zip(hit.tolist(), copied, k_arr[hit].tolist()):
             out[i] = row[:k]
-    return out
-
-
-def _copy_on(token_ids: Sequence[int], follow: int, k: int) -> list[int]:
-    """k tokens from position `follow` on; a copy that runs into the end of
-    the sequence goes on with what it copied (as LZ77 copies overlap), so a
-    repeated phrase is proposed k tokens ahead, not only up to the end."""
-    length = len(token_ids)
-    out: list[int] = []
-    for i in range(k):
-        pos = follow + i
-        out.append(int(token_ids[pos]) if pos < length else out[pos - length])
     return out
 
 

@@ -20,7 +20,7 @@ from tandem.engine.request import Request, RequestStatus, SamplingParams
 from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.spec_decode.config import SpeculativeConfig
-from tandem.engine.spec_decode.ngram_proposer import NgramProposer, propose_ngram, propose_ngram_batch
+from tandem.engine.spec_decode.ngram_proposer import NgramProposer, propose_ngram_batch
 from tandem.engine.spec_decode.rejection_sampler import RejectionSampler, accept_greedy
 
 BS = 4  # tokens per block: drafts cross block boundaries often
@@ -228,7 +228,7 @@ def test_rejection_sampling_keeps_the_targets_distribution():
     ([1, 2, 3, 1], 2, 3, 2, []),  # only shorter than prompt_lookup_min
 ])
 def test_prompt_lookup_proposes_what_followed_the_suffix(tokens, lo, hi, k, want):
-    assert propose_ngram(tokens, lo, hi, k) == want
+    assert propose_ngram_batch([np.array(tokens, dtype=np.int64)], lo, hi, [k]) == [want]
 
 
 def _lookup_by_definition(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
@@ -246,26 +246,17 @@ def _lookup_by_definition(tokens: list[int], lo: int, hi: int, k: int) -> list[i
     return []
 
 
-def test_prompt_lookup_follows_its_rule_on_random_sequences():
+def test_prompt_lookup_follows_its_rule_on_random_batches():
+    """Each sequence of a batch gets what the rule gives it alone."""
     rng = random.Random(11)
     for _ in range(400):
-        tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
-        lo = rng.randrange(1, 4)
-        hi = lo + rng.randrange(0, 4)
-        k = rng.randrange(1, 6)
-        assert propose_ngram(tokens, lo, hi, k) == _lookup_by_definition(tokens, lo, hi, k), (tokens, lo, hi, k)
-
-
-def test_prompt_lookup_over_a_batch_equals_each_sequence_alone():
-    rng = random.Random(12)
-    for _ in range(300):
-        sequences = [np.array([rng.randrange(4) for _ in range(rng.randrange(1, 40))], dtype=np.int64)
-                     for _ in range(rng.randrange(1, 7))]
+        sequences = [[rng.randrange(4) for _ in range(rng.randrange(1, 40))] for _ in range(rng.randrange(1, 7))]
         lo = rng.randrange(1, 4)
         hi = lo + rng.randrange(0, 4)
         ks = [rng.randrange(0, 7) for _ in sequences]
-        assert propose_ngram_batch(sequences, lo, hi, ks) == \
-            [propose_ngram(s, lo, hi, k) for s, k in zip(sequences, ks)], (sequences, lo, hi, ks)
+        arrays = [np.array(s, dtype=np.int64) for s in sequences]
+        assert propose_ngram_batch(arrays, lo, hi, ks) == \
+            [_lookup_by_definition(s, lo, hi, k) for s, k in zip(sequences, ks)], (sequences, lo, hi, ks)
 
 
 def test_the_ngram_proposer_keeps_each_requests_tokens_up_to_date():
@@ -273,7 +264,7 @@ def test_the_ngram_proposer_keeps_each_requests_tokens_up_to_date():
     proposer = NgramProposer(1, 3)
     r = Request("r", [rng.randrange(2, 9) for _ in range(5)], SamplingParams())
     for _ in range(300):  # grows past its buffer more than once
-        assert proposer.propose([r], [3]) == [propose_ngram(r.all_token_ids, 1, 3, 3)]
+        assert proposer.propose([r], [3]) == [_lookup_by_definition(r.all_token_ids, 1, 3, 3)]
         r.all_token_ids.append(rng.randrange(2, 9))
     again = Request("r", [4, 5, 4], SamplingParams())  # a new request under the same id
     assert proposer.propose([again], [2]) == [[5, 4]]
