@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 
 from tandem.services.common.grpc_server import TLSConfig
 from tandem.services.kvstore import data_wire as wire
+from tandem.services.kvstore import held_gil_io
 from tandem.services.kvstore.client import KVStoreClient, KVStoreUnavailable
 from tandem.services.kvstore.data_server import tune
 
@@ -73,9 +74,8 @@ class BlockStoreClient:
         if self._port() == 0:
             return self.control.exists(keys)
         with self._connection("exists", lookup=True) as sock:
-            sock.sendall(wire.request_header(wire.OP_EXISTS, list(keys)))
-            wire.read_status(sock)
-            return [b == 1 for b in wire.recv_exactly(sock, len(keys))]
+            held_gil_io.sendall(sock, wire.request_header(wire.OP_EXISTS, list(keys)))
+            return [b == 1 for b in wire.read_reply(sock, len(keys))]
 
     def put(self, items: Sequence[tuple[str, int, int]]) -> int:
         if not items:
@@ -86,17 +86,15 @@ class BlockStoreClient:
             return self.control.put([(key, bytes(self.arena[o:o + n])) for key, o, n in items])
         with self._connection("put") as sock:
             if sock in self._attached:
-                sock.sendall(wire.request_header(wire.OP_PUT_SHARED, [key for key, _, _ in items])
-                             + wire.encode_spans(items))
-                wire.read_status(sock)
-                stored, _refused = wire.recv_struct(sock, wire.PUT_REPLY)
+                held_gil_io.sendall(sock, wire.request_header(wire.OP_PUT_SHARED, [key for key, _, _ in items])
+                                    + wire.encode_spans(items))
+                stored, _refused = wire.PUT_REPLY.unpack(wire.read_reply(sock, wire.PUT_REPLY.size))
                 return stored
             sock.sendall(wire.request_header(wire.OP_PUT, [key for key, _, _ in items]))
             for _, offset, length in items:
                 sock.sendall(wire.VALUE_LEN.pack(length))
                 sock.sendall(self.arena[offset:offset + length])
-            wire.read_status(sock)
-            stored, _refused = wire.recv_struct(sock, wire.PUT_REPLY)
+            stored, _refused = wire.PUT_REPLY.unpack(wire.read_reply(sock, wire.PUT_REPLY.size))
             return stored
 
     def get(self, items: Sequence[tuple[str, int, int]]) -> list[bool]:
@@ -109,10 +107,9 @@ class BlockStoreClient:
         found = []
         with self._connection("get") as sock:
             if sock in self._attached:
-                sock.sendall(wire.request_header(wire.OP_GET_SHARED, [key for key, _, _ in items])
-                             + wire.encode_spans(items))
-                wire.read_status(sock)
-                return [b == 1 for b in wire.recv_exactly(sock, len(items))]
+                held_gil_io.sendall(sock, wire.request_header(wire.OP_GET_SHARED, [key for key, _, _ in items])
+                                    + wire.encode_spans(items))
+                return [b == 1 for b in wire.read_reply(sock, len(items))]
             sock.sendall(wire.request_header(wire.OP_GET, [key for key, _, _ in items]))
             wire.read_status(sock)
             for _, offset, length in items:
@@ -174,6 +171,7 @@ class BlockStoreClient:
         tune(sock)
         if self._ssl is not None:
             sock = self._ssl.wrap_socket(sock, server_hostname=self._host)
+        wire.wait_in_kernel(sock, self.timeout_s)  # once: settimeout itself lets the GIL go
         if self.shared is not None and attach:
             self._attach(sock)
         return sock
@@ -218,7 +216,6 @@ class _Borrowed:
                 self.sock = self.idle.get_nowait()
             except queue.Empty:
                 self.sock = client._connect(attach=self.idle is client._idle)  # lookups move no values
-            self.sock.settimeout(client.timeout_s)
         except (OSError, ssl.SSLError, wire.ProtocolError) as exc:
             self.slots.release()
             client._data_port = None

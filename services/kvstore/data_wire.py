@@ -47,8 +47,11 @@ followed by a u32 length and a UTF-8 message; the connection stays usable.
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 from typing import Sequence
+
+from tandem.services.kvstore import held_gil_io
 
 MAGIC = b"TKVD"
 OP_PUT, OP_GET, OP_EXISTS, OP_ATTACH, OP_PUT_SHARED, OP_GET_SHARED = 1, 2, 3, 4, 5, 6
@@ -96,7 +99,10 @@ def recv_exactly_into(sock: socket.socket, view: memoryview) -> None:
     call waits without the GIL)."""
     got, size = 0, len(view)
     while got < size:
-        n = sock.recv_into(view[got:], size - got)
+        try:
+            n = sock.recv_into(view[got:], size - got)
+        except BlockingIOError as exc:  # SO_RCVTIMEO ran out (wait_in_kernel)
+            raise TimeoutError(f"timed out after {got} of {size} bytes") from exc
         if n == 0:
             raise ProtocolError(f"the peer closed the connection after {got} of {size} bytes")
         got += n
@@ -150,14 +156,68 @@ def encode_places(places: Sequence[tuple[int, int]]) -> bytes:
     return b"".join(PLACE.pack(slab, offset) for slab, offset in places)
 
 
-def read_places(sock: socket.socket, count: int) -> list[tuple[int, int]]:
-    raw = recv_exactly(sock, PLACE.size * count)
-    return [PLACE.unpack_from(raw, i * PLACE.size) for i in range(count)]
+def decode_places(raw) -> list[tuple[int, int]]:
+    return list(PLACE.iter_unpack(raw))
 
 
 def send_failed(sock: socket.socket, message: str) -> None:
     raw = message.encode()
     sock.sendall(FAILED + MESSAGE_LEN.pack(len(raw)) + raw)
+
+
+def wait_in_kernel(sock: socket.socket, timeout_s: float) -> None:
+    """Give a plain socket its deadline in the kernel (SO_RCVTIMEO, SO_SNDTIMEO)
+    and leave it blocking to Python. A Python timeout makes every recv two
+    system calls (a poll, then the recv), each letting the GIL go: beside a
+    busy thread each costs up to a switch interval to get it back, so a
+    reply read in one recv instead of two saves that much (docs/benchmarks.md).
+    A TLS socket keeps its Python timeout (its reads are not one recv anyway)."""
+    if isinstance(sock, ssl.SSLSocket):
+        sock.settimeout(timeout_s)
+        return
+    sock.settimeout(None)
+    seconds = int(timeout_s)
+    timeval = struct.pack("ll", seconds, int((timeout_s - seconds) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+
+
+def read_reply(sock: socket.socket, size: int) -> memoryview:
+    """A reply's status and its `size` bytes of fixed body, in one recv where
+    the store wrote them in one send (it does); raises RemoteError on FAILED.
+    Never reads past the reply: a GET's values follow on the same connection."""
+    buf = bytearray(1 + size)
+    view = memoryview(buf)
+    got = _recv_some(sock, view)
+    if view[0:1] == FAILED:
+        head = bytearray(view[1:min(got, 1 + MESSAGE_LEN.size)])
+        head += recv_exactly(sock, MESSAGE_LEN.size - len(head))
+        (length,) = MESSAGE_LEN.unpack(head)
+        message = bytearray(view[1 + MESSAGE_LEN.size:got])[:length]
+        message += recv_exactly(sock, length - len(message))
+        raise RemoteError(message.decode(errors="replace"))
+    if view[0:1] != OK:
+        raise ProtocolError(f"not a tandem KV data reply (status byte {bytes(view[0:1])!r})")
+    if got < len(view):
+        recv_exactly_into(sock, view[got:])
+    return view[1:]
+
+
+def _recv_some(sock: socket.socket, view: memoryview) -> int:
+    """At least one byte into `view` (as many as have come, up to its length);
+    the GIL goes only if the reply has not come yet (held_gil_io)."""
+    n = held_gil_io.recv_now(sock, view)
+    if n is not None:
+        if n == 0:
+            raise ProtocolError("the peer closed the connection before replying")
+        return n
+    try:
+        n = sock.recv_into(view, len(view))
+    except BlockingIOError as exc:  # SO_RCVTIMEO ran out (wait_in_kernel)
+        raise TimeoutError("timed out waiting for the KV store's reply") from exc
+    if n == 0:
+        raise ProtocolError("the peer closed the connection before replying")
+    return n
 
 
 def read_status(sock: socket.socket) -> None:

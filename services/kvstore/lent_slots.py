@@ -36,6 +36,7 @@ from typing import Callable, Optional, Sequence
 
 from tandem.services.common.grpc_server import TLSConfig
 from tandem.services.kvstore import data_wire as wire
+from tandem.services.kvstore import held_gil_io
 from tandem.services.kvstore.block_client import BlockStoreClient
 from tandem.services.kvstore.client import KVStoreUnavailable
 from tandem.services.kvstore.value_slabs import SHM_DIR, SLAB_PREFIX, TOKEN_BYTES
@@ -83,9 +84,8 @@ class Lease:
         assert self.reserved, "commit() is for a reservation; a pin ends with release()"
         keys = [k for k, v in zip(self.keys, self.views) if v is not None]
         try:
-            self._sock.sendall(wire.request_header(wire.OP_COMMIT, keys))
-            wire.read_status(self._sock)
-            stored, _refused = wire.recv_struct(self._sock, wire.PUT_REPLY)
+            held_gil_io.sendall(self._sock, wire.request_header(wire.OP_COMMIT, keys))
+            stored, _refused = wire.PUT_REPLY.unpack(wire.read_reply(self._sock, wire.PUT_REPLY.size))
         except (OSError, ssl.SSLError, wire.ProtocolError, wire.RemoteError) as exc:
             self._end(ok=False)
             raise KVStoreUnavailable(f"KV store at {self._client.target}: commit failed: {exc}") from exc
@@ -98,8 +98,8 @@ class Lease:
         if self._done:
             return
         try:
-            self._sock.sendall(wire.request_header(wire.OP_RELEASE, self.keys))
-            wire.read_status(self._sock)
+            held_gil_io.sendall(self._sock, wire.request_header(wire.OP_RELEASE, self.keys))
+            wire.read_reply(self._sock, 0)
         except (OSError, ssl.SSLError, wire.ProtocolError, wire.RemoteError):
             self._end(ok=False)
             return
@@ -247,9 +247,8 @@ class LentSlots:
     def _lease(self, op: int, keys: list[str], length: int) -> Lease:
         sock = self._borrow()
         try:
-            sock.sendall(wire.request_header(op, keys) + wire.encode_lengths([length] * len(keys)))
-            wire.read_status(sock)
-            places = wire.read_places(sock, len(keys))
+            held_gil_io.sendall(sock, wire.request_header(op, keys) + wire.encode_lengths([length] * len(keys)))
+            places = wire.decode_places(wire.read_reply(sock, wire.PLACE.size * len(keys)))
             unmapped = {slab for slab, _ in places if slab >= 0 and slab not in self._slabs}
             if unmapped:
                 self._refresh(sock, unmapped)  # slabs the watcher has not mapped yet
@@ -368,7 +367,6 @@ class LentSlots:
                 self._leases.release()
                 self._channel._data_port = None
                 raise KVStoreUnavailable(f"KV store at {self.target}: cannot open its data channel: {exc}") from exc
-        sock.settimeout(self.timeout_s)
         return sock
 
     def _give_back(self, sock: socket.socket, ok: bool) -> None:

@@ -28,12 +28,12 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing.connection import Connection
 from typing import Any, Optional, Sequence
 
 from tandem.services.common.grpc_server import TLSConfig
 from tandem.services.kvstore.block_client import LOOKUP_CONNECTIONS, BlockStoreClient
 from tandem.services.kvstore.client import KVStoreUnavailable
+from tandem.services.kvstore.frame_pipe import FramePipe
 from tandem.services.kvstore.shared_arena import AttachedArena, SharedArena
 
 log = logging.getLogger(__name__)
@@ -66,8 +66,7 @@ class MovedBlockStoreClient:
         self._segment: Optional[SharedArena] = None
         self._local: Optional[BlockStoreClient] = None  # without room in /dev/shm
         self._process: Optional[subprocess.Popen] = None
-        self._conn: Optional[Connection] = None
-        self._send_lock = threading.Lock()
+        self._pipe: Optional[FramePipe] = None
         self._calls: dict[int, _Call] = {}  # unanswered calls, under _replies
         self._replies = threading.Condition()
         self._reading = False  # a caller is reading replies (see _wait)
@@ -114,12 +113,11 @@ class MovedBlockStoreClient:
     def close(self) -> None:
         if self._local is not None:
             self._local.close()
-        if self._conn is not None:
-            with self._send_lock:
-                try:
-                    self._conn.send(None)
-                except OSError:
-                    pass
+        if self._pipe is not None:
+            try:
+                self._pipe.send(None)
+            except OSError:
+                pass
         if self._process is not None:
             try:
                 self._process.wait(timeout=5)
@@ -148,8 +146,12 @@ class MovedBlockStoreClient:
                     argv += [flag, path]
         self._process = subprocess.Popen(argv, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         theirs.close()
-        self._conn = Connection(ours.detach())
-        if not self._conn.poll(START_TIMEOUT_S) or self._conn.recv() != "ready":
+        self._pipe = FramePipe(ours)
+        try:
+            ready = self._pipe.receive(START_TIMEOUT_S)
+        except EOFError:
+            ready = []
+        if ready != ["ready"]:
             self._process.kill()
             raise RuntimeError("the KV mover process did not start")
 
@@ -168,9 +170,7 @@ class MovedBlockStoreClient:
         with self._replies:
             self._calls.update(calls)
         try:
-            with self._send_lock:
-                for (call_id, _), args in zip(calls, each):
-                    self._conn.send((call_id, op, args))
+            self._pipe.send(*[(call_id, op, args) for (call_id, _), args in zip(calls, each)])
         except OSError as exc:
             self._forget(calls)
             raise KVStoreUnavailable(f"KV store at {self.target}: the KV mover is gone: {exc}") from exc
@@ -211,19 +211,20 @@ class MovedBlockStoreClient:
         try:
             while not call.done:
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or not self._conn.poll(remaining):
+                if remaining <= 0:
                     return False
                 try:
-                    call_id, ok, value = self._conn.recv()
+                    replies = self._pipe.receive(remaining)
                 except (EOFError, OSError):
                     self._fail_all(f"KV store at {self.target}: the KV mover process stopped")
                     return True
                 with self._replies:
-                    answered = self._calls.pop(call_id, None)
-                    if answered is not None:
-                        answered.done, answered.ok, answered.value = True, ok, value
-                        if answered is not call:
-                            self._replies.notify_all()
+                    for call_id, ok, value in replies:
+                        answered = self._calls.pop(call_id, None)
+                        if answered is not None:
+                            answered.done, answered.ok, answered.value = True, ok, value
+                            if answered is not call:
+                                self._replies.notify_all()
             return True
         finally:
             with self._replies:
@@ -247,7 +248,7 @@ class _Call:
         self.done, self.ok, self.value = False, False, None
 
 
-def _mover_main(settings: tuple, segment: AttachedArena, conn: Connection, store_shared: bool) -> None:
+def _mover_main(settings: tuple, segment: AttachedArena, pipe: FramePipe, store_shared: bool) -> None:
     """The mover process: calls from the pipe, run a few at a time, answered in any order."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the group; the engine stops us
@@ -255,7 +256,6 @@ def _mover_main(settings: tuple, segment: AttachedArena, conn: Connection, store
     client.arena = segment.view
     if store_shared:
         client.shared = (segment.name, segment.token)
-    send_lock = threading.Lock()
 
     def run(call_id: int, op: str, args: Any) -> None:
         try:
@@ -264,20 +264,24 @@ def _mover_main(settings: tuple, segment: AttachedArena, conn: Connection, store
             reply = (call_id, False, str(exc))
         except Exception as exc:  # any other failure: the engine recomputes
             reply = (call_id, False, f"KV store at {client.target}: {op} failed in the mover: {exc!r}")
-        with send_lock:
-            conn.send(reply)
+        try:
+            pipe.send(reply)
+        except OSError:
+            pass  # the engine is gone; the loop below sees it too
 
     # A worker per connection. Lookups have workers (and connections) of their
     # own: queued behind a load's pieces, a decode's lookup waited 23 ms (H200).
     movers = ThreadPoolExecutor(max_workers=settings[3], thread_name_prefix="kv-mover")
     lookups = ThreadPoolExecutor(max_workers=LOOKUP_CONNECTIONS, thread_name_prefix="kv-lookup")
-    conn.send("ready")
+    pipe.send("ready")
     try:
-        while True:
-            message = conn.recv()
-            if message is None:
-                break
-            (lookups if message[1] == "exists" else movers).submit(run, *message)
+        stopping = False
+        while not stopping:
+            for message in pipe.receive():
+                if message is None:
+                    stopping = True
+                    break
+                (lookups if message[1] == "exists" else movers).submit(run, *message)
     except (EOFError, OSError):
         pass
     movers.shutdown(wait=True)
@@ -315,8 +319,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_ca) if (args.tls_cert or args.tls_ca) else None
     segment = AttachedArena(args.segment, bytes.fromhex(args.token), args.size)
-    _mover_main((args.target, args.timeout, tls, args.connections), segment, Connection(args.fd),
-                not args.no_store_shared_memory)
+    pipe = FramePipe(socket.socket(fileno=args.fd))
+    _mover_main((args.target, args.timeout, tls, args.connections), segment, pipe, not args.no_store_shared_memory)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,145 @@
+"""The KV paths' small socket calls: sends and reads that keep the GIL when
+they cannot block (held_gil_io), the mover's framed pipe, and a data-channel
+reply read in one go. Real sockets (socketpairs, loopback), no mocks."""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+
+import pytest
+
+from tandem.services.kvstore import data_wire as wire
+from tandem.services.kvstore import held_gil_io
+from tandem.services.kvstore.frame_pipe import READ_BYTES, FramePipe
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="held_gil_io serves Linux sockets")
+
+
+@pytest.fixture
+def pair():
+    a, b = socket.socketpair()
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_recv_now_reads_what_has_come_and_never_waits(pair):
+    a, b = pair
+    buf = memoryview(bytearray(16))
+    assert held_gil_io.recv_now(b, buf) is None  # nothing yet: the caller's own recv waits
+    a.sendall(b"hello")
+    assert held_gil_io.recv_now(b, buf) == 5 and bytes(buf[:5]) == b"hello"
+    a.close()
+    assert held_gil_io.recv_now(b, buf) == 0  # closed
+
+
+def test_sendall_sends_every_byte_when_the_buffer_fills(pair):
+    a, b = pair
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    data = os.urandom(4 << 20)
+    partial = held_gil_io.send_now(a, data)  # nobody reads yet: the buffer takes a part
+    assert 0 < partial < len(data)
+    got = bytearray()
+
+    def read() -> None:
+        while len(got) < len(data):
+            chunk = b.recv(1 << 20)
+            if not chunk:
+                return
+            got.extend(chunk)
+    reader = threading.Thread(target=read)
+    reader.start()
+    held_gil_io.sendall(a, data[partial:])
+    reader.join(10)
+    assert bytes(got) == data
+
+
+def test_a_call_that_cannot_block_keeps_the_gil(pair):
+    """Beside a thread that always wants the GIL, a plain recv of a byte that
+    has already come often waits for the GIL after the call, up to a switch
+    interval (measured here: 40% of calls); recv_now never lets it go. A long
+    interval (50 ms) tells the two apart from any other delay."""
+    a, b = pair
+    old = sys.getswitchinterval()
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    def slow_reads(read, calls: int = 50) -> int:
+        slow = 0
+        for _ in range(calls):
+            a.sendall(b"x")  # lets the GIL go too: only the reads are timed
+            started = time.perf_counter()
+            read()
+            slow += time.perf_counter() - started > 0.025
+        return slow
+    buf = memoryview(bytearray(1))
+    spinner = threading.Thread(target=spin)
+    sys.setswitchinterval(0.05)
+    spinner.start()
+    try:
+        plain = slow_reads(lambda: b.recv_into(buf, 1))
+        held = slow_reads(lambda: held_gil_io.recv_now(b, buf))
+    finally:
+        stop.set()
+        spinner.join()
+        sys.setswitchinterval(old)
+    assert plain >= 5, f"only {plain} of 50 plain reads waited for the GIL: the test cannot tell"
+    assert held <= 1, f"{held} of 50 reads through recv_now waited for the GIL (plain reads: {plain})"
+
+
+def test_frame_pipe_carries_many_messages_and_long_ones(pair):
+    a, b = pair
+    left, right = FramePipe(a), FramePipe(b)
+    long_message = os.urandom(3 * READ_BYTES + 17)
+    left.send(("one", 1), ("two", [2, 2]), long_message)
+    received = []
+    while len(received) < 3:
+        received += right.receive(5.0)
+    assert received == [("one", 1), ("two", [2, 2]), long_message]
+    right.send(None)
+    assert left.receive(5.0) == [None]
+
+
+def test_frame_pipe_receive_times_out_then_sees_the_close(pair):
+    a, b = pair
+    left, right = FramePipe(a), FramePipe(b)
+    started = time.monotonic()
+    assert right.receive(0.2) == []
+    assert time.monotonic() - started < 2.0
+    left.close()
+    with pytest.raises(EOFError):
+        right.receive(5.0)
+
+
+def test_read_reply_takes_the_status_and_body_and_nothing_after(pair):
+    a, b = pair
+    a.sendall(wire.OK + wire.PUT_REPLY.pack(3, 1) + b"values follow")
+    assert wire.PUT_REPLY.unpack(wire.read_reply(b, wire.PUT_REPLY.size)) == (3, 1)
+    assert b.recv(64) == b"values follow"  # a GET's values stay on the socket for the caller
+
+
+@pytest.mark.parametrize("message", ["backend unreachable", "x" * 5000])
+def test_read_reply_raises_the_store_s_error(pair, message):
+    a, b = pair
+    wire.send_failed(a, message)
+    with pytest.raises(wire.RemoteError, match=message[:40]):
+        wire.read_reply(b, 12)
+
+
+def test_read_reply_on_a_kernel_deadline_times_out(pair):
+    a, b = pair
+    wire.wait_in_kernel(b, 0.2)
+    assert b.gettimeout() is None  # blocking to Python, the deadline in the kernel
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        wire.read_reply(b, 4)
+    assert time.monotonic() - started < 2.0
+    a.sendall(wire.OK + b"ab")  # a reply that comes in two writes is read whole
+    threading.Timer(0.05, lambda: a.sendall(b"cd")).start()
+    assert bytes(wire.read_reply(b, 4)) == b"abcd"
