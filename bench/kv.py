@@ -434,10 +434,11 @@ def _store_paths_on_gpu(client, arena, items, total: int, block: int):
     streams = [torch.cuda.Stream() for _ in groups]
     pool = ThreadPoolExecutor(max_workers=len(groups))
 
+    # A group's copies in one torch call, as the connector queues a step's: a
+    # copy per block would let the GIL go (and wait for it back) once per block.
     def put(g: int) -> None:
         with torch.cuda.stream(streams[g]):
-            for i in groups[g]:
-                staged[i].copy_(source[i], non_blocking=True)
+            torch._foreach_copy_([staged[i] for i in groups[g]], [source[i] for i in groups[g]], non_blocking=True)
         streams[g].synchronize()
         if client.put([items[i] for i in groups[g]]) != len(groups[g]):
             raise RuntimeError("the store did not store every block (capacity?)")
@@ -446,8 +447,7 @@ def _store_paths_on_gpu(client, arena, items, total: int, block: int):
         if not all(client.get([items[i] for i in groups[g]])):
             raise RuntimeError("the store lost blocks between save and load")
         with torch.cuda.stream(streams[g]):
-            for i in groups[g]:
-                back[i].copy_(staged[i], non_blocking=True)
+            torch._foreach_copy_([back[i] for i in groups[g]], [staged[i] for i in groups[g]], non_blocking=True)
         streams[g].synchronize()
 
     def across(call) -> None:
