@@ -90,10 +90,10 @@ class BlockStoreClient:
                                     + wire.encode_spans(items))
                 stored, _refused = wire.PUT_REPLY.unpack(wire.read_reply(sock, wire.PUT_REPLY.size))
                 return stored
-            sock.sendall(wire.request_header(wire.OP_PUT, [key for key, _, _ in items]))
+            parts = [wire.request_header(wire.OP_PUT, [key for key, _, _ in items])]
             for _, offset, length in items:
-                sock.sendall(wire.VALUE_LEN.pack(length))
-                sock.sendall(self.arena[offset:offset + length])
+                parts += [wire.VALUE_LEN.pack(length), self.arena[offset:offset + length]]
+            wire.send_buffers(sock, parts)
             stored, _refused = wire.PUT_REPLY.unpack(wire.read_reply(sock, wire.PUT_REPLY.size))
             return stored
 
@@ -110,14 +110,18 @@ class BlockStoreClient:
                 held_gil_io.sendall(sock, wire.request_header(wire.OP_GET_SHARED, [key for key, _, _ in items])
                                     + wire.encode_spans(items))
                 return [b == 1 for b in wire.read_reply(sock, len(items))]
-            sock.sendall(wire.request_header(wire.OP_GET, [key for key, _, _ in items]))
-            wire.read_status(sock)
-            for _, offset, length in items:
-                (size,) = wire.recv_struct(sock, wire.FOUND_LEN)
-                if size == length:
-                    wire.recv_exactly_into(sock, self.arena[offset:offset + length])
-                elif size > 0:
-                    wire.recv_exactly(sock, size)  # another layout's block: read past it
+            held_gil_io.sendall(sock, wire.request_header(wire.OP_GET, [key for key, _, _ in items]))
+            # The status and the first value's length in one read; then each
+            # value with the next one's length in one read.
+            header = memoryview(bytearray(wire.FOUND_LEN.size))
+            header[:] = wire.read_reply(sock, wire.FOUND_LEN.size)
+            for i, (_, offset, length) in enumerate(items):
+                (size,) = wire.FOUND_LEN.unpack(header)
+                parts = [] if size < 0 else [self.arena[offset:offset + length] if size == length
+                                             else memoryview(bytearray(size))]  # another layout's: read past it
+                if i + 1 < len(items):
+                    parts.append(header)
+                wire.recv_into_buffers(sock, parts)
                 found.append(size == length)
         return found
 

@@ -94,18 +94,82 @@ def request_header(op: int, keys: Sequence[str]) -> bytes:
     return REQUEST.pack(MAGIC, op, len(keys)) + encode_keys(keys)
 
 
+# Reads up to this size first take what has come with the GIL held
+# (held_gil_io): a header is a few bytes, copied in microseconds.
+HELD_READ_MAX = 1 << 16
+# Buffers per sendmsg (Linux's IOV_MAX is 1024).
+MAX_BUFFERS = 1024
+
+
 def recv_exactly_into(sock: socket.socket, view: memoryview) -> None:
     """Fill `view` from the socket (recv_into: the bytes land in place, and the
-    call waits without the GIL)."""
+    call waits without the GIL). A small read takes what has come without
+    letting the GIL go; the rest is one MSG_WAITALL read where the socket
+    allows it (one GIL release, not one per piece the kernel has ready)."""
     got, size = 0, len(view)
+    if 0 < size <= HELD_READ_MAX:
+        n = held_gil_io.recv_now(sock, view)
+        if n == 0:
+            raise ProtocolError(f"the peer closed the connection after 0 of {size} bytes")
+        got = n or 0
+    flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL
     while got < size:
         try:
-            n = sock.recv_into(view[got:], size - got)
+            n = sock.recv_into(view[got:], size - got, flags)
         except BlockingIOError as exc:  # SO_RCVTIMEO ran out (wait_in_kernel)
             raise TimeoutError(f"timed out after {got} of {size} bytes") from exc
         if n == 0:
             raise ProtocolError(f"the peer closed the connection after {got} of {size} bytes")
         got += n
+
+
+def send_buffers(sock: socket.socket, buffers: Sequence) -> None:
+    """Every buffer, in order, in as few sendmsg calls as the kernel takes
+    (each lets the GIL go once; a sendall per buffer would twice a value)."""
+    if isinstance(sock, ssl.SSLSocket):  # TLS has no sendmsg
+        for buffer in buffers:
+            sock.sendall(buffer)
+        return
+    pending = [memoryview(b).cast("B") for b in buffers if len(b)]
+    first = 0
+    while first < len(pending):
+        try:
+            sent = sock.sendmsg(pending[first:first + MAX_BUFFERS])
+        except BlockingIOError as exc:  # SO_SNDTIMEO ran out (wait_in_kernel)
+            raise TimeoutError("timed out sending to the KV store") from exc
+        first = _past(pending, first, sent)
+
+
+def recv_into_buffers(sock: socket.socket, views: Sequence[memoryview]) -> None:
+    """Fill every view, in order: one recvmsg_into with MSG_WAITALL where the
+    socket allows (one GIL release for a value and the header after it)."""
+    if isinstance(sock, ssl.SSLSocket):  # TLS has no recvmsg
+        for view in views:
+            recv_exactly_into(sock, view)
+        return
+    pending = [view for view in views if len(view)]
+    first = 0
+    while first < len(pending):
+        try:
+            got = sock.recvmsg_into(pending[first:first + MAX_BUFFERS], 0, socket.MSG_WAITALL)[0]
+        except BlockingIOError as exc:  # SO_RCVTIMEO ran out (wait_in_kernel)
+            raise TimeoutError("timed out waiting for the KV store") from exc
+        if got == 0:
+            raise ProtocolError("the peer closed the connection mid-reply")
+        first = _past(pending, first, got)
+
+
+def _past(pending: list[memoryview], first: int, done: int) -> int:
+    """The first of `pending` not yet whole after `done` more bytes went (the
+    partly done one is cut to its rest)."""
+    while done:
+        if done >= len(pending[first]):
+            done -= len(pending[first])
+            first += 1
+        else:
+            pending[first] = pending[first][done:]
+            done = 0
+    return first
 
 
 def recv_exactly(sock: socket.socket, size: int) -> bytearray:

@@ -57,6 +57,10 @@ def test_blocks_round_trip_through_the_data_channel(store):
     # A value of another size (another model's block) is a miss, and the connection goes on.
     assert reader.get(items(["b"], size=BLOCK - 8)) == [False]
     assert reader.get(items(["b"])) == [True]
+    # ... also before other values in one get: they are read whole after it.
+    reader.arena[:] = bytes(len(reader.arena))
+    assert reader.get([("b", 0, BLOCK - 8), ("nope", BLOCK, BLOCK), ("a", 2 * BLOCK, BLOCK)]) == [False, False, True]
+    assert reader.arena[2 * BLOCK:3 * BLOCK] == writer.arena[0:BLOCK]
 
 
 def test_a_value_still_arriving_is_never_seen_half_written(store):

@@ -143,3 +143,31 @@ def test_read_reply_on_a_kernel_deadline_times_out(pair):
     a.sendall(wire.OK + b"ab")  # a reply that comes in two writes is read whole
     threading.Timer(0.05, lambda: a.sendall(b"cd")).start()
     assert bytes(wire.read_reply(b, 4)) == b"abcd"
+
+
+def test_many_buffers_go_out_and_come_in_whole(pair):
+    """send_buffers / recv_into_buffers, past one call's MAX_BUFFERS."""
+    a, b = pair
+    for sock in pair:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)
+        wire.wait_in_kernel(sock, 10.0)
+    sizes = [1, 300_000, 8, 0, 70_000, 3] * 200  # past MAX_BUFFERS: more than one sendmsg's worth
+    chunks = [os.urandom(n) for n in sizes]
+    sender = threading.Thread(target=wire.send_buffers, args=(a, chunks))
+    sender.start()
+    received = [memoryview(bytearray(n)) for n in sizes]
+    wire.recv_into_buffers(b, received)
+    sender.join(10)
+    assert [bytes(v) for v in received] == chunks
+
+
+def test_a_partial_call_resumes_at_the_first_byte_not_done():
+    """A sendmsg or recvmsg_into that did part of its buffers (a signal, a
+    deadline): the next call starts where it stopped (data_wire._past)."""
+    pending = [memoryview(b"abc"), memoryview(b"defgh"), memoryview(b"ij")]
+    first = wire._past(pending, 0, 4)  # "abc" and "d"
+    assert first == 1 and bytes(pending[1]) == b"efgh"
+    first = wire._past(pending, first, 4)  # exactly the rest of the second
+    assert first == 2 and bytes(pending[2]) == b"ij"
+    assert wire._past(pending, first, 2) == 3
