@@ -62,7 +62,8 @@ def register(subparsers) -> None:
     p.add_argument("--block-kib", type=int, default=2048, help="one block's bytes, every layer (default 2048)")
     p.add_argument("--backends", default="memory,redis",
                    help="store backends to measure: memory, redis (needs redis-server), comma-separated")
-    p.add_argument("--repeats", type=int, default=3, help="measurements per path; the median is reported")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="measurements per path and load, the loads taking turns; the median is reported")
     p.add_argument("--warmup", type=int, default=1,
                    help="unmeasured runs of each path first, idle (default 1; 0 measures a cold store)")
     p.add_argument("--busy", default="0,1", help="load of a Python thread beside the transfer: 0 idle, 1 "
@@ -104,18 +105,11 @@ def busy_thread(fraction: float) -> Iterator[None]:
         thread.join()
 
 
-def timed(fn: Callable[[], None], nbytes: int, repeats: int, warmup: int = 0) -> float:
-    """Median GB/s of fn() moving nbytes, after `warmup` runs that are not
-    measured (a fresh store's first values cost a page fault per 4 KiB, and a
-    new mapping of an arena one per page: a serving store is past both)."""
-    for _ in range(warmup):
-        fn()
-    rates = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        rates.append(nbytes / (time.perf_counter() - start) / 1e9)
-    return statistics.median(rates)
+def rate_of(fn: Callable[[], None], nbytes: int) -> float:
+    """GB/s of one fn() moving nbytes."""
+    start = time.perf_counter()
+    fn()
+    return nbytes / (time.perf_counter() - start) / 1e9
 
 
 # --- ceilings ------------------------------------------------------------------------------
@@ -473,10 +467,20 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict] = []
 
     def measure(path: str, what: str, fn: Callable[[], None]) -> None:
-        for i, busy in enumerate(busy_levels):
-            warmup = args.warmup if i == 0 else 0
-            with busy_thread(busy):
-                rate = timed(fn, total, args.repeats, warmup)
+        # Unmeasured runs first: a fresh store's first values cost a page fault
+        # per 4 KiB, and a new mapping of an arena one per page; a serving
+        # store is past both. Then the load levels take turns, one measurement
+        # each a round: a host whose speed drifts moves every level alike, and
+        # the ratio of busy to idle holds (measured level after level, it did not).
+        for _ in range(args.warmup):
+            fn()
+        rates: dict[float, list[float]] = {busy: [] for busy in busy_levels}
+        for _ in range(args.repeats):
+            for busy in busy_levels:
+                with busy_thread(busy):
+                    rates[busy].append(rate_of(fn, total))
+        for busy in busy_levels:
+            rate = statistics.median(rates[busy])
             rows.append({"path": path, "what": what, "busy": busy, "GBps": rate})
             print(f"{path:<36}{what:<6} busy {busy:<4} {rate:6.2f} GB/s", file=sys.stderr, flush=True)
 
