@@ -70,7 +70,7 @@ def register(subparsers) -> None:
                                                  "spinning all the time, 0.5 half the time (comma-separated)")
     p.add_argument("--switch-interval-ms", type=float, default=None,
                    help="Python's GIL switch interval in this process while measuring (default: what engine "
-                        "processes with a KV mover set, 1 ms; Python's own default is 5)")
+                        "processes with a KV mover set, 0.25 ms; Python's own default is 5)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the blocks are before a save and after a load (cuda: the store paths that an "
                         "engine on the store's host uses, shared memory and lent slots, each with its DMA)")

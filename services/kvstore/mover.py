@@ -43,9 +43,14 @@ START_TIMEOUT_S = 60.0
 # default is 5 ms): each call's answer wakes a thread that must then take the
 # GIL from the engine's thread, and waits up to this long for it. At 5 ms a
 # load's few wake-ups cost more than the load's bytes take to move (a 256 MiB
-# load lasts 31-57 ms); at 1 ms they cost little, and the engine's thread is
-# asked to yield at most 1000 times a second, each a few microseconds.
-ENGINE_SWITCH_INTERVAL_S = 0.001
+# load lasts 31-57 ms). At 1 ms the mover's paths (shared memory, the data
+# channel) kept 0.74-0.91 of their idle speed beside a thread that never
+# sleeps, at 0.25 ms 0.93-1.01 (a lent H100's host, docs/benchmarks.md). The
+# price: a thread that computes beside another that never sleeps loses more to
+# the finer turns (2-35% longer on the dev machine); beside one that wakes each
+# millisecond for 50 us, as the engine's other threads do, no difference
+# (python -m tandem.bench.switch_interval).
+ENGINE_SWITCH_INTERVAL_S = 0.00025
 # A get of more blocks than this goes to the mover as pieces of this many,
 # which its workers move on connections (and the store on cores) of their
 # own: one connection moves a request's 272 MiB with one store thread's memmove.
