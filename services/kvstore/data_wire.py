@@ -230,20 +230,14 @@ def send_failed(sock: socket.socket, message: str) -> None:
 
 
 def wait_in_kernel(sock: socket.socket, timeout_s: float) -> None:
-    """Give a plain socket its deadline in the kernel (SO_RCVTIMEO, SO_SNDTIMEO)
-    and leave it blocking to Python. A Python timeout makes every recv two
-    system calls (a poll, then the recv), each letting the GIL go: beside a
-    busy thread each costs up to a switch interval to get it back, so a
-    reply read in one recv instead of two saves that much (docs/benchmarks.md).
-    A TLS socket keeps its Python timeout (its reads are not one recv anyway)."""
+    """The deadline of a data-channel socket: in the kernel on a plain socket
+    (held_gil_io.kernel_deadline: a read is one system call, not a poll and a
+    read, each letting the GIL go), in Python on a TLS one (its reads are not
+    one system call anyway)."""
     if isinstance(sock, ssl.SSLSocket):
         sock.settimeout(timeout_s)
-        return
-    sock.settimeout(None)
-    seconds = int(timeout_s)
-    timeval = struct.pack("ll", seconds, int((timeout_s - seconds) * 1e6))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+    else:
+        held_gil_io.kernel_deadline(sock, timeout_s)
 
 
 def read_reply(sock: socket.socket, size: int) -> memoryview:
@@ -270,13 +264,8 @@ def read_reply(sock: socket.socket, size: int) -> memoryview:
 def _recv_some(sock: socket.socket, view: memoryview) -> int:
     """At least one byte into `view` (as many as have come, up to its length);
     the GIL goes only if the reply has not come yet (held_gil_io)."""
-    n = held_gil_io.recv_now(sock, view)
-    if n is not None:
-        if n == 0:
-            raise ProtocolError("the peer closed the connection before replying")
-        return n
     try:
-        n = sock.recv_into(view, len(view))
+        n = held_gil_io.recv_some(sock, view)
     except BlockingIOError as exc:  # SO_RCVTIMEO ran out (wait_in_kernel)
         raise TimeoutError("timed out waiting for the KV store's reply") from exc
     if n == 0:

@@ -31,10 +31,9 @@ class FramePipe:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        sock.settimeout(None)  # blocking to Python: one system call per read (see the module's doc)
-        seconds = int(READ_POLL_S)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
-                        struct.pack("ll", seconds, int((READ_POLL_S - seconds) * 1e6)))
+        # One system call per read (see the module's doc). Sends keep no
+        # deadline: a message waits for room as long as the other side lives.
+        held_gil_io.kernel_deadline(sock, READ_POLL_S, sends=False)
         self._send_lock = threading.Lock()
         self._pending = bytearray()  # bytes read but not yet a whole message
         self._chunk = memoryview(bytearray(READ_BYTES))
@@ -59,12 +58,10 @@ class FramePipe:
                 return messages
             if deadline is not None and time.monotonic() >= deadline:
                 return []
-            got = held_gil_io.recv_now(self.sock, self._chunk)
-            if got is None:  # nothing has come: wait for it, without the GIL
-                try:
-                    got = self.sock.recv_into(self._chunk)
-                except (BlockingIOError, InterruptedError):  # READ_POLL_S passed with nothing to read
-                    continue
+            try:
+                got = held_gil_io.recv_some(self.sock, self._chunk)
+            except (BlockingIOError, InterruptedError):  # READ_POLL_S passed with nothing to read
+                continue
             if not got:
                 raise EOFError("the other end of the pipe closed it")
             self._pending += self._chunk[:got]

@@ -20,6 +20,7 @@ import errno
 import os
 import socket
 import ssl
+import struct
 from typing import Optional
 
 try:
@@ -78,3 +79,25 @@ def recv_now(sock: socket.socket, view: memoryview) -> Optional[int]:
     if err in _WOULD_BLOCK:
         return None
     raise OSError(err, os.strerror(err))
+
+
+def recv_some(sock: socket.socket, view: memoryview) -> int:
+    """Bytes into `view`, as many as have come (at least one) up to its length;
+    0 when the peer has closed. The GIL goes only if none has come yet, while
+    the call waits. BlockingIOError when a kernel deadline passes first
+    (kernel_deadline)."""
+    got = recv_now(sock, view)
+    return sock.recv_into(view, len(view)) if got is None else got
+
+
+def kernel_deadline(sock: socket.socket, seconds: float, sends: bool = True) -> None:
+    """Make `sock` blocking to Python, with its deadline kept by the kernel
+    (SO_RCVTIMEO, and SO_SNDTIMEO with sends=True): a Python timeout makes each
+    socket call a poll and then the call, two releases of the GIL where one
+    does. A call past the deadline raises BlockingIOError."""
+    sock.settimeout(None)
+    whole = int(seconds)
+    timeval = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    if sends:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)

@@ -201,7 +201,7 @@ class MovedBlockStoreClient:
 
         The replies are read by whichever waiting caller finds nobody reading,
         not by a thread of their own: beside a busy engine thread each wake-up
-        waits for the GIL (up to the 5 ms switch interval), and a caller that
+        waits for the GIL (up to the switch interval), and a caller that
         reads its own reply wakes once, where a reader thread and then the
         caller would wake twice."""
         with self._replies:
