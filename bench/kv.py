@@ -71,6 +71,11 @@ def register(subparsers) -> None:
     p.add_argument("--switch-interval-ms", type=float, default=None,
                    help="Python's GIL switch interval in this process while measuring (default: what engine "
                         "processes with a KV mover set, 0.25 ms; Python's own default is 5)")
+    p.add_argument("--isolate-busy-thread", action="store_true",
+                   help="run the busy thread alone on the first CPU and everything else (this process's other "
+                        "threads, the store, the mover) on the rest, idle or busy: the busy thread then takes no "
+                        "core from the transfer, and what it still costs is the GIL's share (for machines with "
+                        "few cores, where a lost core would hide it; Linux, at least 2 CPUs)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the blocks are before a save and after a load (cuda: the store paths that an "
                         "engine on the store's host uses, shared memory and lent slots, each with its DMA)")
@@ -81,14 +86,17 @@ def register(subparsers) -> None:
 # --- load --------------------------------------------------------------------------------
 
 @contextmanager
-def busy_thread(fraction: float) -> Iterator[None]:
-    """A Python thread that holds the GIL `fraction` of the time (in 10 ms periods)."""
+def busy_thread(fraction: float, cpu: Optional[int] = None) -> Iterator[None]:
+    """A Python thread that holds the GIL `fraction` of the time (in 10 ms
+    periods), on CPU `cpu` alone when given."""
     if fraction <= 0:
         yield
         return
     stop = threading.Event()
 
     def spin() -> None:
+        if cpu is not None:
+            os.sched_setaffinity(0, {cpu})  # this thread only
         while not stop.is_set():
             until = time.perf_counter() + 0.01 * fraction
             while time.perf_counter() < until:
@@ -96,7 +104,7 @@ def busy_thread(fraction: float) -> Iterator[None]:
             if fraction < 1:
                 time.sleep(0.01 * (1 - fraction))
 
-    thread = threading.Thread(target=spin, daemon=True)
+    thread = threading.Thread(target=spin, name="kv-bench-busy", daemon=True)
     thread.start()
     try:
         yield
@@ -458,6 +466,17 @@ def _store_paths_on_gpu(client, arena, items, total: int, block: int):
 def run(args: argparse.Namespace) -> int:
     from tandem.services.kvstore.mover import ENGINE_SWITCH_INTERVAL_S
 
+    busy_cpu = None
+    if args.isolate_busy_thread:
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        if len(cpus) < 2:
+            print("error: --isolate-busy-thread needs Linux and at least 2 CPUs this process may use",
+                  file=sys.stderr)
+            return 2
+        busy_cpu = cpus[0]
+        # Before any thread or process starts: each inherits this thread's CPUs.
+        os.sched_setaffinity(0, set(cpus[1:]))
+        print(f"busy thread on CPU {busy_cpu}, the rest on CPUs {cpus[1:]}", file=sys.stderr)
     interval_s = ENGINE_SWITCH_INTERVAL_S if args.switch_interval_ms is None else args.switch_interval_ms / 1e3
     sys.setswitchinterval(interval_s)  # as in an engine process
     print(f"GIL switch interval {interval_s * 1e3:g} ms", file=sys.stderr)
@@ -477,7 +496,7 @@ def run(args: argparse.Namespace) -> int:
         rates: dict[float, list[float]] = {busy: [] for busy in busy_levels}
         for _ in range(args.repeats):
             for busy in busy_levels:
-                with busy_thread(busy):
+                with busy_thread(busy, busy_cpu):
                     rates[busy].append(rate_of(fn, total))
         for busy in busy_levels:
             rate = statistics.median(rates[busy])
@@ -544,8 +563,8 @@ def _report(rows: list[dict], args: argparse.Namespace, total: int, block: int, 
               f"{r['of_memcpy']:>8.2f}{r['of_idle']:>7.2f}")
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump({"size_bytes": total, "block_bytes": block, "switch_interval_s": interval_s, "rows": rows},
-                  f, indent=2)
+            json.dump({"size_bytes": total, "block_bytes": block, "switch_interval_s": interval_s,
+                       "busy_thread_isolated": args.isolate_busy_thread, "rows": rows}, f, indent=2)
     return 0
 
 

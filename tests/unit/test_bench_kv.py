@@ -1,14 +1,20 @@
 """`tandem bench kv` measures every path on the same bytes and relates each to
 the TCP loopback ceiling and to its own idle speed (a real store process)."""
 import json
+import os
 import subprocess
 import sys
+import threading
+import time
+
+from tandem.bench.kv import busy_thread
 
 
 def test_bench_kv_reports_each_path_against_the_ceilings(tmp_path):
     out = tmp_path / "kv.json"
     subprocess.run([sys.executable, "-m", "tandem.bench.kv", "--size-mib", "8", "--block-kib", "256",
-                    "--repeats", "1", "--backends", "memory", "--busy", "0,0.5", "--output-json", str(out)],
+                    "--repeats", "1", "--backends", "memory", "--busy", "0,0.5", "--output-json", str(out)]
+                   + (["--isolate-busy-thread"] if len(os.sched_getaffinity(0)) >= 2 else []),
                    check=True, capture_output=True, timeout=300)
     result = json.loads(out.read_text())
     paths = {(r["path"], r["what"], r["busy"]) for r in result["rows"]}
@@ -23,3 +29,13 @@ def test_bench_kv_reports_each_path_against_the_ceilings(tmp_path):
         assert abs(r["of_memcpy"] - r["GBps"] / memcpy) < 1e-9
         if r["busy"] == 0:
             assert r["of_idle"] == 1.0
+
+
+def test_the_busy_thread_runs_alone_on_the_cpu_it_is_given():
+    ours = os.sched_getaffinity(0)
+    cpu = min(ours)
+    with busy_thread(1.0, cpu):
+        time.sleep(0.05)
+        spinner = next(t for t in threading.enumerate() if t.name == "kv-bench-busy")
+        assert os.sched_getaffinity(spinner.native_id) == {cpu}
+    assert os.sched_getaffinity(0) == ours  # the caller's CPUs are its own
