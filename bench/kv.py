@@ -73,7 +73,7 @@ def register(subparsers) -> None:
                         "processes with a KV mover set, 0.25 ms; Python's own default is 5)")
     p.add_argument("--isolate-busy-thread", action="store_true",
                    help="run the busy thread alone on the first CPU and everything else (this process's other "
-                        "threads, the store, the mover) on the rest, idle or busy: the busy thread then takes no "
+                        "threads, the store, the mover, Redis) on the rest, idle or busy: the busy thread then takes no "
                         "core from the transfer, and what it still costs is the GIL's share (for machines with "
                         "few cores, where a lost core would hide it; Linux, at least 2 CPUs)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
