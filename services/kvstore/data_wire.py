@@ -274,14 +274,9 @@ def _recv_some(sock: socket.socket, view: memoryview) -> int:
 
 
 def read_status(sock: socket.socket) -> None:
-    """The reply's status byte: returns on OK, raises RemoteError on FAILED."""
-    status = bytes(recv_exactly(sock, 1))
-    if status == OK:
-        return
-    if status != FAILED:
-        raise ProtocolError(f"not a tandem KV data reply (status byte {status!r})")
-    (length,) = recv_struct(sock, MESSAGE_LEN)
-    raise RemoteError(recv_exactly(sock, length).decode(errors="replace"))
+    """The reply's status byte: returns on OK, raises RemoteError on FAILED
+    (a reply with no fixed body: read_reply's)."""
+    read_reply(sock, 0)
 
 
 class RemoteError(RuntimeError):

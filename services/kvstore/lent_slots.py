@@ -99,7 +99,7 @@ class Lease:
             return
         try:
             held_gil_io.sendall(self._sock, wire.request_header(wire.OP_RELEASE, self.keys))
-            wire.read_reply(self._sock, 0)
+            wire.read_status(self._sock)
         except (OSError, ssl.SSLError, wire.ProtocolError, wire.RemoteError):
             self._end(ok=False)
             return
