@@ -307,7 +307,9 @@ class DecodeBench:
         return 4 * half / (us * 1e-6) / 1e9
 
 
-PREFILL_SHAPES = ((4096, 0), (2048, 2048), (512, 7680))  # (new tokens, cached prefix)
+# (new tokens, cached prefix): prompts of 2k, 4k and 8k tokens (issue 20's mark), and
+# chunks over a cached prefix.
+PREFILL_SHAPES = ((2048, 0), (4096, 0), (8192, 0), (2048, 2048), (512, 7680))
 
 
 def run_prefill(args: argparse.Namespace, ceilings: Ceilings, config=None,
@@ -376,10 +378,12 @@ def run_sweep(bench: DecodeBench, args: argparse.Namespace, ceilings: Ceilings) 
 
     results = []
     prefill_grid = () if args.skip_prefill else (
-        (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3),
-        (64, 32, 4, 3))
+        (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3),
+        (128, 128, 8, 3), (128, 32, 4, 3), (64, 32, 4, 3))
     for block_m, block_n, warps, stages in prefill_grid:
-        cfg = AttentionConfig(prefill=PrefillConfig(block_m, block_n, warps, stages))
+        # The same tiles whichever of the two configs the shape's launch picks.
+        tiles = PrefillConfig(block_m, block_n, warps, stages)
+        cfg = AttentionConfig(prefill=tiles, long_prefill=tiles)
         rows = run_prefill(args, ceilings, cfg, check=False)
         results.append({"prefill_config": asdict(cfg.prefill), "shapes": PREFILL_SHAPES,
                         "tflops": [r.tflops for r in rows]})

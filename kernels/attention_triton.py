@@ -54,7 +54,14 @@ class PrefillConfig:
 @dataclass(frozen=True)
 class AttentionConfig:
     decode: DecodeConfig = DecodeConfig()
+    # Launches with few query rows per sequence: decodes beside a prompt chunk,
+    # where each decode's program fills only GROUP rows of its tile, so a
+    # taller tile is mostly wasted work (docs/benchmarks.md, 2026-11-27).
     prefill: PrefillConfig = PrefillConfig()
+    # Launches whose sequences fill a tall tile on average (prompts): a taller
+    # tile reuses each KV tile it loads over more query rows. 2 stages keep its shared
+    # memory (about 96 KiB) within what GPUs before Hopper offer.
+    long_prefill: PrefillConfig = PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
 
 
 DEFAULT_CONFIG = AttentionConfig()
@@ -139,7 +146,10 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, meta: At
                                 partition_size=partition, block_n=d.block_n,
                                 num_warps=d.num_warps, num_stages=d.num_stages,
                                 reduce_chunk=d.reduce_chunk, fused_max_splits=d.fused_max_splits)
+    # Chosen from host ints only (a captured graph replays the same choice).
     p = cfg.prefill
+    if num_tokens * (num_heads // num_kv_heads) >= cfg.long_prefill.block_m * meta.num_seqs:
+        p = cfg.long_prefill
     return prefill_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                              meta.query_start_loc, meta.max_query_len, scale, out,
                              block_m=p.block_m, block_n=p.block_n, num_warps=p.num_warps,

@@ -41,7 +41,10 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
-    row_tile = tl.program_id(0)
+    # The longest row tiles first: under causal attention a tile's work grows
+    # with its index, and starting the long ones early leaves short ones for
+    # the last wave instead of a few long ones running alone.
+    row_tile = tl.num_programs(0) - 1 - tl.program_id(0)
     seq = tl.program_id(1)
     kv_head = tl.program_id(2)
     q_begin = tl.load(query_start_loc_ptr + seq)
@@ -64,14 +67,34 @@ def _prefill_kernel(
 
     head_off = kv_head * stride_cache_head
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    # m_i is kept in units of scaled scores (s * scale_log2), so that each score
+    # costs one fused multiply-add before its exp2.
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     # The last row of this tile sees positions up to prefix_len + its token index.
     end = prefix_len + tl.minimum((first_row + BLOCK_M - 1) // GROUP + 1, q_len)
-    # Every row sees position 0, so after the first tile each m_i is finite and a
-    # fully masked row in a later tile contributes exp2(-inf) = 0.
-    for tile in range(0, end, BLOCK_N):
+    # Every row of the tile sees every position up to its first row's own: KV
+    # tiles wholly before it need neither bounds nor causal masks (most of a
+    # long prompt's tiles, and all of a prefix's).
+    unmasked_end = (prefix_len + first_row // GROUP + 1) // BLOCK_N * BLOCK_N
+    for tile in range(0, unmasked_end, BLOCK_N):
+        kv_pos = tile + tl.arange(0, BLOCK_N)
+        block = tl.load(bt_row + kv_pos // BLOCK_SIZE).to(tl.int64)
+        offs = (block * stride_cache_block + (kv_pos % BLOCK_SIZE) * stride_cache_slot
+                + head_off)[:, None] + dims[None, :]
+        k = tl.load(key_cache_ptr + offs)
+        v = tl.load(value_cache_ptr + offs)
+        s = mma(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s * scale_log2 - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+        m_i = m_new
+    # The diagonal: every row sees position 0, so once a tile has been seen each
+    # m_i is finite and a fully masked row in a later tile contributes exp2(-inf) = 0.
+    for tile in range(unmasked_end, end, BLOCK_N):
         kv_pos = tile + tl.arange(0, BLOCK_N)
         kv_mask = kv_pos < end
         block = tl.load(bt_row + kv_pos // BLOCK_SIZE, mask=kv_mask, other=0).to(tl.int64)

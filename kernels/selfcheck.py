@@ -251,15 +251,16 @@ def run(size: str, seed: int, device: str, verbose: bool) -> int:
         cases, configs = small_cases(rng), [
             # many splits (each a tile of 32 or 16), combined in the one launch 4
             # at a time, or by the reduce kernel all at once; and the
-            # single-split path
+            # single-split path; prefill tiles of each shape for the launches
+            # of few rows per sequence and for those of many (long_prefill)
             AttentionConfig(DecodeConfig(block_n=32, programs_per_sm=1, reduce_chunk=4,
                                          fused_max_splits=1 << 30),
-                            PrefillConfig(block_m=16, block_n=32)),
+                            PrefillConfig(block_m=16, block_n=32), PrefillConfig(block_m=32, block_n=16)),
             AttentionConfig(DecodeConfig(block_n=16, programs_per_sm=1, reduce_chunk=64,
                                          fused_max_splits=0),
-                            PrefillConfig(block_m=16, block_n=16)),
+                            PrefillConfig(block_m=16, block_n=16), PrefillConfig(block_m=16, block_n=32)),
             AttentionConfig(DecodeConfig(block_n=16, programs_per_sm=0),
-                            PrefillConfig(block_m=32, block_n=16)),
+                            PrefillConfig(block_m=32, block_n=16), PrefillConfig(block_m=32, block_n=32)),
         ]
     else:
         cases, configs = full_cases(rng), [None]
