@@ -1,6 +1,6 @@
 """Tensor parallelism across GPUs (NCCL, one rank per GPU): greedy tokens
-and logprobs of a TP=2 engine against HF transformers in fp32 on the same
-GPU, eager and with decode CUDA graphs (whose captures hold the all-reduces),
+and logprobs of a TP=2 engine, and of a TP=4 one where four GPUs are,
+against HF transformers in fp32 on the same GPU, eager and with decode CUDA graphs (whose captures hold the all-reduces),
 with chunked prefill and a prefix hit; and a TP=2 bf16 engine against a TP=1
 one. Skipped without two GPUs."""
 from __future__ import annotations
@@ -25,9 +25,13 @@ def prompts(seed: int = 3) -> list[list[int]]:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("tp", [2, 4], ids=["tp2", "tp4"])
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "cuda-graphs"])
-def test_tp2_on_two_gpus_matches_hf(tmp_path, eager):
+def test_tp_on_gpus_matches_hf(tmp_path, eager, tp):
     from tandem.engine import LLM, SamplingParams
+
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
 
     # head_dim 16: the smallest the Triton kernels take
     path, hf = tiny_model_dir(tmp_path, "llama", num_attention_heads=8, num_key_value_heads=4, hidden_size=128)
@@ -35,12 +39,12 @@ def test_tp2_on_two_gpus_matches_hf(tmp_path, eager):
     ps = prompts()
     prefix_prompt = ps[6][:40] + [9, 10, 11]  # 32 tokens of prompt 6 cached by then
     llm = LLM(path, device="cuda", dtype="float32", enforce_eager=eager, num_blocks=512,
-              tensor_parallel_size=2, max_num_batched_tokens=128, long_prefill_token_threshold=64,
+              tensor_parallel_size=tp, max_num_batched_tokens=128, long_prefill_token_threshold=64,
               max_num_seqs=16)
     try:
         runner = llm.engine.runner
         assert runner.device == torch.device("cuda", 0)
-        assert runner.model.model.layers[0].self_attn.num_heads == 4
+        assert runner.model.model.layers[0].self_attn.num_heads == 8 // tp
         assert (runner.graphs is None) == eager
         params = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=5, ignore_eos=True)
         outs = llm.generate(ps, params) + llm.generate([prefix_prompt], params)
