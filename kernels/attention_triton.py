@@ -12,15 +12,19 @@ decode path can be captured in a CUDA graph.
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 from tandem.kernels.cache_write import _check_head_dim
 from tandem.kernels.decode_attention_triton import DecodeChoices, decode_attention, decode_choices, num_splits_of
 from tandem.kernels.metadata import AttentionMetadata
 from tandem.kernels.prefill_attention_triton import prefill_attention
+
+log = logging.getLogger(__name__)
 
 # Assumed when no CUDA device can be asked (the CPU interpreter): an H100 SXM.
 DEFAULT_NUM_SMS = 132
@@ -148,10 +152,28 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, meta: At
                                 num_warps=d.num_warps, num_stages=d.num_stages,
                                 reduce_chunk=d.reduce_chunk, fused_max_splits=d.fused_max_splits)
     # Chosen from host ints only (a captured graph replays the same choice).
-    p = cfg.prefill
-    if num_tokens * (num_heads // num_kv_heads) >= cfg.long_prefill.block_m * meta.num_seqs:
-        p = cfg.long_prefill
+    long_fits = (query.device, query.dtype, head_dim, cfg.long_prefill) not in _LONG_TILES_TOO_BIG
+    if long_fits and num_tokens * (num_heads // num_kv_heads) >= cfg.long_prefill.block_m * meta.num_seqs:
+        try:
+            return _prefill(query, key_cache, value_cache, meta, scale, out, cfg.long_prefill)
+        except OutOfResources as exc:
+            _LONG_TILES_TOO_BIG.add((query.device, query.dtype, head_dim, cfg.long_prefill))
+            log.info("prefill attention: %s does not fit this GPU for %s, head_dim %d (%s); %s serves "
+                     "these launches", cfg.long_prefill, query.dtype, head_dim, exc, cfg.prefill)
+    return _prefill(query, key_cache, value_cache, meta, scale, out, cfg.prefill)
+
+
+# (device, dtype, head_dim, tiles) whose long-prefill tiles need more shared
+# memory than the GPU has: Triton refuses them at their first launch (before
+# the engine serves: engine/kernel_warmup.py). Compiled by Triton 3.9, the
+# 128 x 64 tiles over bf16 at head_dim 256 need 112 KiB, more than the 99 KiB
+# of sm89 GPUs (L4, L40), where the 64 x 64 ones (72 KiB) fit.
+_LONG_TILES_TOO_BIG: set[tuple] = set()
+
+
+def _prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+             meta: AttentionMetadata, scale: float, out: torch.Tensor, tiles: PrefillConfig) -> torch.Tensor:
     return prefill_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                              meta.query_start_loc, meta.max_query_len, scale, out,
-                             block_m=p.block_m, block_n=p.block_n, num_warps=p.num_warps,
-                             num_stages=p.num_stages)
+                             block_m=tiles.block_m, block_n=tiles.block_n, num_warps=tiles.num_warps,
+                             num_stages=tiles.num_stages)

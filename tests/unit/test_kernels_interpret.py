@@ -84,3 +84,54 @@ def test_fp8_triton_gemms_match_the_dequantizing_twin_under_interpreter() -> Non
     # bias; fp32 and bf16.
     out = run_check_module("fp8_check", timeout_s=100)
     assert "48 cases, 0 failed" in out, out
+
+
+# Run under the interpreter in a child (TRITON_INTERPRET must be set before
+# triton is imported). A launch refused for its shared memory cannot happen
+# on the CPU, so the child makes the tall tiles' launch raise Triton's own
+# OutOfResources, as a GPU with too little shared memory does at compile.
+TILE_CHOICE = r"""
+import torch
+from triton.runtime.errors import OutOfResources
+import tandem.kernels.attention_triton as at
+from tandem.kernels.attention_triton import AttentionConfig, PrefillConfig
+from tandem.kernels.selfcheck import make_batch, rel_error, twin_attention
+
+cfg = AttentionConfig(prefill=PrefillConfig(block_m=16, block_n=16), long_prefill=PrefillConfig(block_m=32, block_n=16))
+launched, refuse = [], False
+real = at.prefill_attention
+
+def watched(*args, block_m, **kwargs):
+    launched.append(block_m)
+    if refuse and block_m == 32:
+        raise OutOfResources(1 << 17, 1 << 16, "shared memory")
+    return real(*args, block_m=block_m, **kwargs)
+
+at.prefill_attention = watched
+gen = torch.Generator().manual_seed(0)
+shape = dict(num_kv_heads=2, group=4, head_dim=16, block_size=16, dtype=torch.float32, device="cpu")
+prompt = make_batch(gen, [40], [40], **shape)  # 40 tokens x 4 rows fill a 32-row tile
+mixed = make_batch(gen, [30, 30, 30, 50], [1, 1, 1, 3], **shape)  # 6 tokens over 4 sequences
+
+def attend(b):
+    launched.clear()
+    out = at.paged_attention_triton(b.query, b.kv_cache, b.meta, 0.25, cfg)
+    err = rel_error(out, twin_attention(b.query, b.kv_cache, b.meta, 0.25))
+    assert err < 1e-5, err
+    return list(launched)
+
+assert attend(prompt) == [32], launched
+assert attend(mixed) == [16], launched
+refuse = True
+assert attend(prompt) == [32, 16], launched  # refused, then the short tiles
+assert attend(prompt) == [16], launched  # not tried again
+print("tile choice ok")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_prompts_take_the_tall_prefill_tiles_and_fall_back_where_they_do_not_fit() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", TILE_CHOICE], env=env, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "tile choice ok" in proc.stdout
