@@ -152,12 +152,13 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, meta: At
                                 num_warps=d.num_warps, num_stages=d.num_stages,
                                 reduce_chunk=d.reduce_chunk, fused_max_splits=d.fused_max_splits)
     # Chosen from host ints only (a captured graph replays the same choice).
-    long_fits = (query.device, query.dtype, head_dim, cfg.long_prefill) not in _LONG_TILES_TOO_BIG
-    if long_fits and num_tokens * (num_heads // num_kv_heads) >= cfg.long_prefill.block_m * meta.num_seqs:
+    long_tiles = (query.device, query.dtype, head_dim, cfg.long_prefill)
+    if (long_tiles not in _LONG_TILES_TOO_BIG
+            and num_tokens * (num_heads // num_kv_heads) >= cfg.long_prefill.block_m * meta.num_seqs):
         try:
             return _prefill(query, key_cache, value_cache, meta, scale, out, cfg.long_prefill)
         except OutOfResources as exc:
-            _LONG_TILES_TOO_BIG.add((query.device, query.dtype, head_dim, cfg.long_prefill))
+            _LONG_TILES_TOO_BIG.add(long_tiles)
             log.info("prefill attention: %s does not fit this GPU for %s, head_dim %d (%s); %s serves "
                      "these launches", cfg.long_prefill, query.dtype, head_dim, exc, cfg.prefill)
     return _prefill(query, key_cache, value_cache, meta, scale, out, cfg.prefill)

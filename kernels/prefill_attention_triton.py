@@ -25,6 +25,41 @@ from tandem.kernels.common_triton import dot_settings, mma
 LOG2E = 1.4426950408889634
 
 
+@triton.jit
+def _attend_kv_tile(q, m_i, l_i, acc, tile, end, q_pos, bt_row, key_cache_ptr, value_cache_ptr,
+                    stride_cache_block, stride_cache_slot, head_off, dims, scale_log2,
+                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """The online softmax over the KV tile at `tile`: (m_i, l_i, acc) after it.
+    MASKED: the tile may reach past `end` or past some rows' own positions
+    (the diagonal); otherwise every row sees all of it and no mask is built.
+    m_i is in units of scaled scores (s * scale_log2), so that a score costs
+    one fused multiply-add before its exp2."""
+    kv_pos = tile + tl.arange(0, BLOCK_N)
+    if MASKED:
+        kv_mask = kv_pos < end
+        block = tl.load(bt_row + kv_pos // BLOCK_SIZE, mask=kv_mask, other=0).to(tl.int64)
+    else:
+        block = tl.load(bt_row + kv_pos // BLOCK_SIZE).to(tl.int64)
+    offs = (block * stride_cache_block + (kv_pos % BLOCK_SIZE) * stride_cache_slot
+            + head_off)[:, None] + dims[None, :]
+    if MASKED:
+        k = tl.load(key_cache_ptr + offs, mask=kv_mask[:, None], other=0.0)
+        v = tl.load(value_cache_ptr + offs, mask=kv_mask[:, None], other=0.0)
+    else:
+        k = tl.load(key_cache_ptr + offs)
+        v = tl.load(value_cache_ptr + offs)
+    s = mma(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST)
+    if MASKED:  # -inf stays -inf once scaled (scale_log2 > 0), and exp2 makes it 0
+        s = tl.where(kv_mask[None, :] & (kv_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s * scale_log2 - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+    return m_new, l_i, acc
+
+
 # The block table's width changes with the batch; specializing on it (1, a
 # multiple of 16, other) would compile up to three variants mid-serving
 # (engine/kernel_warmup.py). It offsets the row of scalar block ids only.
@@ -67,8 +102,6 @@ def _prefill_kernel(
 
     head_off = kv_head * stride_cache_head
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    # m_i is kept in units of scaled scores (s * scale_log2), so that each score
-    # costs one fused multiply-add before its exp2.
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -79,38 +112,17 @@ def _prefill_kernel(
     # long prompt's tiles, and all of a prefix's).
     unmasked_end = (prefix_len + first_row // GROUP + 1) // BLOCK_N * BLOCK_N
     for tile in range(0, unmasked_end, BLOCK_N):
-        kv_pos = tile + tl.arange(0, BLOCK_N)
-        block = tl.load(bt_row + kv_pos // BLOCK_SIZE).to(tl.int64)
-        offs = (block * stride_cache_block + (kv_pos % BLOCK_SIZE) * stride_cache_slot
-                + head_off)[:, None] + dims[None, :]
-        k = tl.load(key_cache_ptr + offs)
-        v = tl.load(value_cache_ptr + offs)
-        s = mma(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST)
-        m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s * scale_log2 - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
-        m_i = m_new
+        m_i, l_i, acc = _attend_kv_tile(
+            q, m_i, l_i, acc, tile, end, q_pos, bt_row, key_cache_ptr, value_cache_ptr,
+            stride_cache_block, stride_cache_slot, head_off, dims, scale_log2,
+            BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, DOT_UPCAST)
     # The diagonal: every row sees position 0, so once a tile has been seen each
     # m_i is finite and a fully masked row in a later tile contributes exp2(-inf) = 0.
     for tile in range(unmasked_end, end, BLOCK_N):
-        kv_pos = tile + tl.arange(0, BLOCK_N)
-        kv_mask = kv_pos < end
-        block = tl.load(bt_row + kv_pos // BLOCK_SIZE, mask=kv_mask, other=0).to(tl.int64)
-        offs = (block * stride_cache_block + (kv_pos % BLOCK_SIZE) * stride_cache_slot
-                + head_off)[:, None] + dims[None, :]
-        k = tl.load(key_cache_ptr + offs, mask=kv_mask[:, None], other=0.0)
-        v = tl.load(value_cache_ptr + offs, mask=kv_mask[:, None], other=0.0)
-        s = mma(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * scale_log2
-        visible = kv_mask[None, :] & (kv_pos[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
-        m_i = m_new
+        m_i, l_i, acc = _attend_kv_tile(
+            q, m_i, l_i, acc, tile, end, q_pos, bt_row, key_cache_ptr, value_cache_ptr,
+            stride_cache_block, stride_cache_slot, head_off, dims, scale_log2,
+            BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, DOT_UPCAST)
 
     acc = acc / l_i[:, None]
     o = out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :]

@@ -1,8 +1,9 @@
 """Tensor parallelism across GPUs (NCCL, one rank per GPU): greedy tokens
 and logprobs of a TP=2 engine, and of a TP=4 one where four GPUs are,
-against HF transformers in fp32 on the same GPU, eager and with decode CUDA graphs (whose captures hold the all-reduces),
-with chunked prefill and a prefix hit; and a TP=2 bf16 engine against a TP=1
-one. Skipped without two GPUs."""
+against HF transformers in fp32 on the same GPU, eager and with decode CUDA
+graphs (whose captures hold the all-reduces), with chunked prefill and a
+prefix hit; and a TP=2 bf16 engine against a TP=1 one. Skipped without two
+GPUs."""
 from __future__ import annotations
 
 import random
