@@ -56,6 +56,10 @@ def register(subparsers) -> None:
     p.add_argument("--context", type=int, default=512,
                    help="mean prompt tokens per sequence (default 512)")
     p.add_argument("--steps", type=int, default=30, help="decode steps timed per batch size")
+    p.add_argument("--kernel-profile", type=int, default=0, metavar="TOP",
+                   help="CUDA only: after the timed steps at each batch size, run --steps more back to back "
+                        "under torch.profiler and print the TOP kernels by GPU time a step, with the time "
+                        "between kernels (default 0: off)")
     p.add_argument("--output-json", default=None)
     EngineArgs.add_cli_args(p, skip=("max_num_seqs", *KV_TRANSFER_FIELDS))
     p.set_defaults(handler=run)
@@ -147,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
           f"KV {kv_bytes_per_token / 1024:.0f} KiB/token; tokenizer: "
           f"{'yes' if engine.tokenizer is not None else 'none (no detokenizing)'}", file=sys.stderr)
     for batch in batches:
-        params = SamplingParams(temperature=0, max_tokens=2 * args.steps + 5, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=3 * args.steps + 5, ignore_eos=True)
         lengths = [max(1, args.context + i % runner.block_size - runner.block_size // 2) for i in range(batch)]
         for i, length in enumerate(lengths):
             engine.add_request(f"b{batch}-{i}", [1000 + (i * 7 + j) % 20000 for j in range(length)], params)
@@ -172,6 +176,13 @@ def run(args: argparse.Namespace) -> int:
             engine.step()
         sync()
         period = (time.perf_counter() - t0) / args.steps
+        profile = None
+        if args.kernel_profile and device.type == "cuda":
+            from tandem.bench.kernel_profile import profile_steps
+
+            profile = profile_steps(engine.step, args.steps)
+            print(f"batch {batch}: kernels of {args.steps} decode steps back to back\n"
+                  f"{profile.table(args.kernel_profile)}", file=sys.stderr)
         # KV read per step: the batch's cached tokens at the middle of the timed steps
         kv_tokens = sum(lengths) + batch * (2 + args.steps)
         touched = expert_bytes * (1 - (1 - top_k / num_experts) ** batch) if num_experts else 0
@@ -186,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
                      "schedule_ms": statistics.median(p.schedule for p in phases) * 1e3,
                      "prepare_ms": statistics.median(p.prepare for p in phases) * 1e3,
                      "update_ms": statistics.median(p.update for p in phases) * 1e3,
-                     "tokens_per_s": batch / step})
+                     "tokens_per_s": batch / step,
+                     "kernel_profile": dataclasses.asdict(profile) if profile else None})
         engine.abort(list(engine.scheduler.requests))
     print(f"asynchronous scheduling: {'on' if engine.async_scheduling else 'off'}", file=sys.stderr)
     print(f"{'batch':>6}{'step ms':>10}{'floor ms':>10}{'ratio':>8}{'period':>8}{'ratio':>7}{'host ms':>9}"

@@ -30,3 +30,18 @@ def test_latency_bench_writes_consistent_rows(tmp_path):
     one, twenty = result["rows"]
     assert one["context"] == 32 + 2 + steps
     assert twenty["context"] == pytest.approx(sum(40 + i % 16 - 8 for i in range(20)) / 20 + 2 + steps)
+
+
+def test_kernel_profile_busy_time_is_the_union_of_intervals():
+    """The time between kernels is the span less the union of their intervals:
+    overlapping kernels (two streams) are not counted twice."""
+    from tandem.bench.kernel_profile import KernelShare, StepProfile, _busy
+
+    assert _busy([]) == 0.0
+    assert _busy([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17.0
+    profile = StepProfile(steps=2, kernels=[KernelShare("gemv", 64.0, 900.0), KernelShare("norm", 65.0, 100.0),
+                                            KernelShare("copy", 1.0, 10.0)],
+                          busy_us_per_step=1000.0, span_us_per_step=1250.0)
+    table = profile.table(top=2)
+    assert "gemv" in table and "norm" in table and "(1 other kernels)" in table
+    assert "between kernels: 0.250 ms" in table
