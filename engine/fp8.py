@@ -22,14 +22,14 @@ kernel, which has no FP8 path yet.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from tandem.engine.config import ConfigError
 from tandem.kernels import fp8_linear
-from tandem.kernels.fp8_torch import FP8_DTYPE, Fp8Rows, quantize_weight
+from tandem.kernels.fp8_torch import FP8_DTYPE, quantize_weight
 
 log = logging.getLogger(__name__)
 
@@ -96,13 +96,11 @@ class Fp8Linear(nn.Module):
                 out.bias.copy_(torch.cat([p.bias for p in parts]))
         return out
 
-    def forward(self, x: Union[torch.Tensor, Fp8Rows]) -> torch.Tensor:
-        """x: activations, or already quantized per token (Fp8Rows) by the
-        kernel that made them."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         weight_fp32 = None
-        if not self.weight.is_cuda:
+        if not x.is_cuda:
             if self._weight_fp32 is None:
                 self._weight_fp32 = self.weight.float()
             weight_fp32 = self._weight_fp32

@@ -98,8 +98,6 @@ class ModelRunner:
             self.model.fuse_projections()
         if self.quantization == "fp8" and not fp8.is_quantized(self.model):
             fp8.quantize_model(self.model)  # --quantization fp8 on a bf16 checkpoint
-        if self.quantization == "fp8":
-            self.model.quantize_fp8_inputs_at_producers()
         self.model.eval()
         # This rank's KV heads: each tensor-parallel rank caches its own
         num_kv_heads = shard_size(getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads, "KV heads")

@@ -11,7 +11,7 @@ oracle of the GPU one; it saves no memory bandwidth.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Union
+from typing import Optional
 
 import torch
 
@@ -20,23 +20,6 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 INV_FP8_MAX = 1.0 / FP8_MAX
 # A row of zeros gets this scale instead of 0 (whose inverse is inf).
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
-
-
-class Fp8Rows(NamedTuple):
-    """Activations already quantized per token by the kernel that made them
-    (the RMSNorm before q/k/v and gate/up, the SiLU-and-multiply before down),
-    so the FP8 layer that takes them skips its own quantizer launch. dtype:
-    the activations' own dtype, which the layer's output keeps."""
-    q: torch.Tensor  # e4m3 [..., K]
-    scale: torch.Tensor  # fp32 [..., 1]
-    dtype: torch.dtype
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.q.shape
-
-    def reshape(self, *shape: int) -> "Fp8Rows":
-        return Fp8Rows(self.q.reshape(*shape), self.scale.reshape(*shape[:-1], 1), self.dtype)
 
 
 def quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,16 +46,15 @@ def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     return weight.float() * scale.float().reshape(-1, 1)
 
 
-def fp8_linear_torch(x: Union[torch.Tensor, Fp8Rows], weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_linear_torch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                      bias: Optional[torch.Tensor] = None,
                      weight_fp32: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [M, K] (any float dtype, or already quantized: Fp8Rows) times the
-    e4m3 weight [N, K] with scales [N], in x's dtype. weight_fp32: the
-    weight's e4m3 values already in fp32 (a caller that keeps them saves the
-    conversion each call)."""
-    q, x_scale, dtype = x if isinstance(x, Fp8Rows) else (*quantize_rows_torch(x), x.dtype)
+    """x [M, K] (any float dtype) times the e4m3 weight [N, K] with scales [N],
+    in x's dtype. weight_fp32: the weight's e4m3 values already in fp32 (a
+    caller that keeps them saves the conversion each call)."""
+    q, x_scale = quantize_rows_torch(x)
     w = weight.float() if weight_fp32 is None else weight_fp32
     out = (q.float() @ w.t()) * x_scale * weight_scale.float().reshape(1, -1)
     if bias is not None:
         out = out + bias.float()
-    return out.to(dtype)
+    return out.to(x.dtype)

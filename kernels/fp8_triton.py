@@ -21,13 +21,13 @@ round-to-nearest-even in both).
 from __future__ import annotations
 
 import os
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.fp8_torch import FP8_DTYPE, FP8_MAX, INV_FP8_MAX, MIN_SCALE, Fp8Rows
+from tandem.kernels.fp8_torch import FP8_DTYPE, FP8_MAX, INV_FP8_MAX, MIN_SCALE
 
 
 @triton.jit
@@ -215,38 +215,32 @@ def fp8_skinny_gemm(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor
     return out
 
 
-def fp8_linear_cuda(x: Union[torch.Tensor, Fp8Rows], weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_linear_cuda(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                     bias: Optional[torch.Tensor] = None, quantize=quantize_rows_triton,
                     skinny: Optional[bool] = None) -> torch.Tensor:
     """x [M, K] times the e4m3 weight [N, K] (row-major, so weight.t() is the
     column-major B cuBLASLt wants) with per-channel scales [N], in x's dtype.
-    x may come quantized (Fp8Rows, from the kernel that made it): then no
-    quantizer runs. quantize: the activation quantizer (the twin's under
-    --attention-backend torch); skinny: force (True) or forbid (False) the
-    Triton kernels (None: fp8_gemv up to GEMV_MAX_ROWS rows, the skinny GEMM
-    for widths the FP8 GEMM refuses, else the FP8 GEMM)."""
+    quantize: the activation quantizer (the twin's under --attention-backend
+    torch); skinny: force (True) or forbid (False) the Triton kernels (None:
+    fp8_gemv up to GEMV_MAX_ROWS rows, the skinny GEMM for widths the FP8
+    GEMM refuses, else the FP8 GEMM)."""
     m, k = x.shape
-    out_dtype = x.dtype
     # The FP8 GEMM needs both widths in multiples of 16; the Triton kernels take any.
     gemm_shapes = k % 16 == 0 and weight.shape[0] % 16 == 0
     use_triton = skinny if skinny is not None else (m <= GEMV_MAX_ROWS or not gemm_shapes)
-    if isinstance(x, Fp8Rows):
-        q, x_scale = x.q, x.scale
-    elif use_triton and m <= GEMV_MAX_ROWS and quantize is quantize_rows_triton \
-            and weight.numel() <= FUSED_GEMV_MAX_WEIGHTS:
+    if use_triton and m <= GEMV_MAX_ROWS:
         # The GEMV quantizes as quantize_rows_triton does. Another quantizer
         # (the twin's, under --attention-backend torch) may differ from it in
         # the last bit of a division (fp8_check), so it runs, as its own launch.
-        return fp8_gemv(x, None, weight, weight_scale, bias, out_dtype)
-    else:
-        q, x_scale = quantize(x)
-    if use_triton and m <= GEMV_MAX_ROWS:
-        return fp8_gemv(q, x_scale, weight, weight_scale, bias, out_dtype)
+        if quantize is quantize_rows_triton and weight.numel() <= FUSED_GEMV_MAX_WEIGHTS:
+            return fp8_gemv(x, None, weight, weight_scale, bias, x.dtype)
+        return fp8_gemv(*quantize(x), weight, weight_scale, bias, x.dtype)
+    q, x_scale = quantize(x)
     if use_triton:
-        return fp8_skinny_gemm(q, x_scale, weight, weight_scale, bias, out_dtype)
+        return fp8_skinny_gemm(q, x_scale, weight, weight_scale, bias, x.dtype)
     # Row-wise scaled FP8 GEMMs write bf16 only; an fp16 engine gets a cast.
     out = torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=weight_scale.reshape(1, -1),
                            out_dtype=torch.bfloat16)
     if bias is not None:
         out = out + bias
-    return out if out.dtype == out_dtype else out.to(out_dtype)
+    return out if out.dtype == x.dtype else out.to(x.dtype)

@@ -1,8 +1,6 @@
 """Triton kernels for the per-layer ops around attention: RMSNorm with the
 residual add folded in, rotary embedding of q and k in one launch, and
-SiLU-and-multiply. Before an FP8 layer the RMSNorm and the
-SiLU-and-multiply also quantize their output per token (Fp8Rows), so that
-layer needs no quantizer launch of its own.
+SiLU-and-multiply.
 
 Why: written as torch expressions these are 25-30 small kernels per layer
 (an RMSNorm alone is eight: cast, square, mean, add, rsqrt, multiply, cast,
@@ -16,38 +14,24 @@ they agree with the twins to within a rounding step of the summation order.
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.fp8_torch import FP8_DTYPE, FP8_MAX, INV_FP8_MAX, MIN_SCALE, Fp8Rows
-from tandem.kernels.fp8_triton import quantize_rows_triton
-
 
 @triton.jit
-def _store_fp8_row(y, mask, q_row_ptr, scale_ptr, fp8_max, inv_fp8_max, min_scale):
-    """A whole row (in registers, masked-off entries 0) quantized as
-    fp8_triton's quantize_rows_triton does, operation for operation: the
-    same bits as that quantizer run after this kernel."""
-    scale = tl.maximum(tl.max(tl.abs(y), axis=0) * inv_fp8_max, min_scale)
-    tl.store(scale_ptr, scale)
-    q = tl.clamp(tl.div_rn(y, scale), -fp8_max, fp8_max)
-    tl.store(q_row_ptr, q.to(q_row_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr,
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr,
                      stride_x_row, stride_x_head, stride_res_row, stride_out_row, stride_out_head,
-                     num_heads, n_cols, eps, fp8_max, inv_fp8_max, min_scale,
-                     HAS_RESIDUAL: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK: tl.constexpr):
+                     num_heads, n_cols, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     tok = (row // num_heads).to(tl.int64)
     head = (row % num_heads).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    dtype = x_ptr.dtype.element_ty  # the activations' (out is e4m3 when quantizing)
+    dtype = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + tok * stride_x_row + head * stride_x_head + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + tok * stride_res_row + cols, mask=mask, other=0.0).to(tl.float32)
@@ -56,43 +40,30 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr,
     var = tl.sum(x * x, axis=0) / n_cols
     y = (x * tl.rsqrt(var + eps)).to(dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    out = (w * y).to(dtype)
-    if QUANTIZE:
-        _store_fp8_row(out.to(tl.float32), mask, out_ptr + tok * stride_out_row + cols, scale_ptr + tok,
-                       fp8_max, inv_fp8_max, min_scale)
-    else:
-        tl.store(out_ptr + tok * stride_out_row + head * stride_out_head + cols, out, mask=mask)
+    tl.store(out_ptr + tok * stride_out_row + head * stride_out_head + cols, (w * y).to(dtype), mask=mask)
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                    residual: Optional[torch.Tensor] = None, quantize_fp8: bool = False
-                    ) -> tuple[Union[torch.Tensor, Fp8Rows], Optional[torch.Tensor]]:
+                    residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """x [T, N] or [T, H, N] (per-head norms: Qwen3's q/k norms); residual
-    [T, N], updated in place to x + residual. Returns (normed, residual);
-    quantize_fp8 ([T, N] only): normed as Fp8Rows, quantized per token in
-    the same launch for the FP8 layer that takes it."""
+    [T, N], updated in place to x + residual. Returns (normed, residual)."""
     n = x.shape[-1]
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError("rms_norm_triton: the last dimension must be dense")
     if residual is not None and (x.dim() != 2 or residual.shape != x.shape or residual.stride(-1) != 1):
         raise ValueError("rms_norm_triton: a residual must be [T, N] like x")
-    if quantize_fp8 and x.dim() != 2:
-        raise ValueError("rms_norm_triton: quantize_fp8 takes [T, N] rows, not per-head norms")
     heads = x.shape[1] if x.dim() == 3 else 1
-    out = torch.empty(x.shape, dtype=FP8_DTYPE if quantize_fp8 else x.dtype, device=x.device)
-    scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device) if quantize_fp8 else None
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows = x.shape[0] * heads
-    normed = Fp8Rows(out, scale, x.dtype) if quantize_fp8 else out
     if rows == 0:
-        return normed, residual
+        return out, residual
     stride_head = x.stride(1) if x.dim() == 3 else 0
     out_head = out.stride(1) if x.dim() == 3 else 0
     res = residual if residual is not None else x
     _rms_norm_kernel[(rows,)](
-        x, res, weight, out, scale if scale is not None else weight, x.stride(0), stride_head, res.stride(0),
-        out.stride(0), out_head, heads, n, eps, FP8_MAX, INV_FP8_MAX, MIN_SCALE,
-        HAS_RESIDUAL=residual is not None, QUANTIZE=quantize_fp8, BLOCK=triton.next_power_of_2(n))
-    return normed, residual
+        x, res, weight, out, x.stride(0), stride_head, res.stride(0), out.stride(0), out_head,
+        heads, n, eps, HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n))
+    return out, residual
 
 
 @triton.jit
@@ -171,43 +142,3 @@ def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     _silu_and_mul_kernel[(tokens, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n,
                                                           BLOCK=block)
     return out
-
-
-@triton.jit
-def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n_cols, fp8_max, inv_fp8_max,
-                             min_scale, BLOCK: tl.constexpr):
-    """_silu_and_mul_kernel's arithmetic over a whole row, then the row
-    quantized in registers (one program a row: the amax needs all of it)."""
-    tok = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    dtype = x_ptr.dtype.element_ty
-    gate = tl.load(x_ptr + tok * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + tok * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    y = (act * up).to(dtype).to(tl.float32)
-    _store_fp8_row(y, mask, q_ptr + tok * stride_q + cols, scale_ptr + tok, fp8_max, inv_fp8_max, min_scale)
-
-
-# Widest row the quantizing SiLU-and-multiply holds in registers (16 warps);
-# wider ones (a 70B model's 28672 at TP=1) take the two kernels.
-SILU_FP8_MAX_WIDTH = 16384
-
-
-def silu_and_mul_fp8_triton(gate_up: torch.Tensor) -> Fp8Rows:
-    """silu(gate) * up as Fp8Rows: the same bits as silu_and_mul_triton then
-    quantize_rows_triton, in one launch where a row fits SILU_FP8_MAX_WIDTH."""
-    tokens, width = gate_up.shape
-    n = width // 2
-    if n > SILU_FP8_MAX_WIDTH:
-        return Fp8Rows(*quantize_rows_triton(silu_and_mul_triton(gate_up)), gate_up.dtype)
-    if gate_up.stride(-1) != 1 or width % 2:
-        raise ValueError("silu_and_mul_fp8_triton: gate_up must be [T, 2I] with a dense last dimension")
-    q = torch.empty((tokens, n), dtype=FP8_DTYPE, device=gate_up.device)
-    scale = torch.empty((tokens, 1), dtype=torch.float32, device=gate_up.device)
-    if tokens:
-        block = triton.next_power_of_2(n)
-        _silu_and_mul_fp8_kernel[(tokens,)](gate_up, q, scale, gate_up.stride(0), q.stride(0), n, FP8_MAX,
-                                            INV_FP8_MAX, MIN_SCALE, BLOCK=block,
-                                            num_warps=16 if block >= 8192 else 8 if block >= 2048 else 4)
-    return Fp8Rows(q, scale, gate_up.dtype)

@@ -8,11 +8,11 @@ when it starts; until then it is "auto".
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
-from tandem.kernels.fp8_torch import Fp8Rows, fp8_linear_torch, quantize_rows_torch
+from tandem.kernels.fp8_torch import fp8_linear_torch, quantize_rows_torch
 from tandem.kernels.fused_moe_torch import fused_moe_torch
 from tandem.kernels.metadata import AttentionMetadata
 from tandem.kernels.layer_ops_torch import rms_norm_torch, rotary_torch, silu_and_mul_torch
@@ -68,16 +68,14 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     return paged_attention_torch_batched(query, kv_cache, meta, scale)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None,
-             quantize_fp8: bool = False) -> tuple[Union[torch.Tensor, Fp8Rows], Optional[torch.Tensor]]:
-    """(RMSNorm(x [+ residual]), the new residual or None); see layer_ops_torch.py.
-    quantize_fp8: the norm comes quantized per token (Fp8Rows) for an FP8 layer."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(RMSNorm(x [+ residual]), the new residual or None); see layer_ops_torch.py."""
     if _use_triton(x):
         from tandem.kernels.layer_ops_triton import rms_norm_triton
 
-        return rms_norm_triton(x, weight, eps, residual, quantize_fp8=quantize_fp8)
-    normed, residual = rms_norm_torch(x, weight, eps, residual)
-    return (Fp8Rows(*quantize_rows_torch(normed), normed.dtype) if quantize_fp8 else normed), residual
+        return rms_norm_triton(x, weight, eps, residual)
+    return rms_norm_torch(x, weight, eps, residual)
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
@@ -90,15 +88,12 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     return rotary_torch(q, k, cos, sin)
 
 
-def silu_and_mul(gate_up: torch.Tensor, quantize_fp8: bool = False) -> Union[torch.Tensor, Fp8Rows]:
-    """silu(gate) * up of gate_up [T, 2I]; quantize_fp8: quantized per token
-    (Fp8Rows) for an FP8 layer."""
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if _use_triton(gate_up):
-        from tandem.kernels.layer_ops_triton import silu_and_mul_fp8_triton, silu_and_mul_triton
+        from tandem.kernels.layer_ops_triton import silu_and_mul_triton
 
-        return silu_and_mul_fp8_triton(gate_up) if quantize_fp8 else silu_and_mul_triton(gate_up)
-    out = silu_and_mul_torch(gate_up)
-    return Fp8Rows(*quantize_rows_torch(out), out.dtype) if quantize_fp8 else out
+        return silu_and_mul_triton(gate_up)
+    return silu_and_mul_torch(gate_up)
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -111,14 +106,13 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     return fused_moe_torch(hidden, w13, w2, topk_weights, topk_ids)
 
 
-def fp8_linear(x: Union[torch.Tensor, Fp8Rows], weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: Optional[torch.Tensor] = None, weight_fp32: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] times an e4m3 weight [N, K] with per-channel scales [N], the
-    activations quantized per token (fp8_torch.py), here or (Fp8Rows) by the
-    kernel that made them. On CUDA the FP8 GEMM runs whatever the backend
-    (the torch backend quantizes with the twin); weight_fp32 serves the twin
-    only."""
-    if weight.is_cuda:
+    activations quantized per token (fp8_torch.py). On CUDA the FP8 GEMM runs
+    whatever the backend (the torch backend quantizes with the twin);
+    weight_fp32 serves the twin only."""
+    if x.is_cuda:
         from tandem.kernels.fp8_triton import fp8_linear_cuda, quantize_rows_triton
 
         quantize = quantize_rows_triton if triton_backend_selected() else quantize_rows_torch

@@ -9,7 +9,7 @@ from a factory: the dense SwiGLU MLP here, or a mixture of experts
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -18,7 +18,6 @@ from tandem.engine.fp8 import Fp8Linear
 from tandem.engine.models.vocab_parallel import VocabParallelEmbedding
 from tandem.engine.tensor_parallel import all_gather_last, all_reduce, shard_size, tp_group, vocab_shard
 from tandem.kernels import AttentionMetadata, paged_attention, rms_norm, rotary, silu_and_mul, write_kv
-from tandem.kernels.fp8_torch import Fp8Rows
 
 # HF model_type -> (qkv bias, q/k norm); the MoE models get their MLPs from moe.py (models.build_model)
 SUPPORTED_ARCHITECTURES = {
@@ -53,20 +52,15 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        # Set where every consumer of the output is an FP8 layer
-        # (DecoderLayer.quantize_fp8_inputs_at_producers): the output comes
-        # quantized per token (Fp8Rows), in the norm's own launch.
-        self.quantize_output = False
 
-    def forward(self, x: torch.Tensor) -> Union[torch.Tensor, Fp8Rows]:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # float32 statistics whatever the activation dtype, as HF does (kernels/layer_ops_torch.py)
-        return rms_norm(x, self.weight, self.eps, quantize_fp8=self.quantize_output)[0]
+        return rms_norm(x, self.weight, self.eps)[0]
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor
-                     ) -> tuple[Union[torch.Tensor, Fp8Rows], torch.Tensor]:
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """residual = x + residual, then its norm: (normed, residual). One kernel
         on a GPU, where residual is updated in place."""
-        return rms_norm(x, self.weight, self.eps, residual, quantize_fp8=self.quantize_output)
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -156,8 +150,6 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, config.hidden_size, bias=bias)
         self.gate_up_proj: Optional[nn.Linear] = None  # set by fuse()
-        # Set before an FP8 down projection: SiLU-and-multiply quantizes its output.
-        self.quantize_down_input = False
 
     def fuse(self) -> None:
         self.gate_up_proj = _concat_linears([self.gate_proj, self.up_proj])
@@ -166,7 +158,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             return all_reduce(self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)))
-        return all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x), quantize_fp8=self.quantize_down_input)))
+        return all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
 def dense_mlp(config, layer_idx: int) -> nn.Module:
@@ -193,19 +185,6 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def quantize_fp8_inputs_at_producers(self) -> None:
-        """Where a norm's or the SiLU-and-multiply's only consumers are FP8
-        layers, that kernel quantizes its output per token itself: the same
-        bits as the FP8 layer's own quantizer, one launch fewer each."""
-        attn, mlp = self.self_attn, self.mlp
-        qkv = [attn.qkv_proj] if attn.qkv_proj is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
-        self.input_layernorm.quantize_output = all(isinstance(p, Fp8Linear) for p in qkv)
-        if isinstance(mlp, MLP):  # a mixture of experts has no FP8 path (engine/fp8.py)
-            up = [mlp.gate_up_proj] if mlp.gate_up_proj is not None else [mlp.gate_proj, mlp.up_proj]
-            self.post_attention_layernorm.quantize_output = all(isinstance(p, Fp8Linear) for p in up)
-            # the unfused MLP multiplies in torch expressions, with no kernel to quantize in
-            mlp.quantize_down_input = mlp.gate_up_proj is not None and isinstance(mlp.down_proj, Fp8Linear)
 
     def forward(self, hidden, residual, cos, sin, kv_cache, meta):
         """(this layer's output, the residual stream before it is added).
@@ -256,11 +235,6 @@ class LlamaFamilyForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
-
-    def quantize_fp8_inputs_at_producers(self) -> None:
-        """After FP8 quantization and fusion: see DecoderLayer's."""
-        for layer in self.model.layers:
-            layer.quantize_fp8_inputs_at_producers()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, before_layer: Optional[LayerHook] = None,

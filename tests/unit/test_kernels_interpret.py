@@ -83,7 +83,7 @@ def test_fp8_triton_gemms_match_the_dequantizing_twin_under_interpreter() -> Non
     # rows, widths that are not multiples of their tiles, with and without
     # bias; fp32 and bf16.
     out = run_check_module("fp8_check", timeout_s=100)
-    assert "69 cases, 0 failed" in out, out
+    assert "48 cases, 0 failed" in out, out
 
 
 # Run under the interpreter in a child (TRITON_INTERPRET must be set before
