@@ -1,6 +1,7 @@
-"""Pieces the Triton attention kernels share."""
+"""Pieces the Triton kernels share."""
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -33,3 +34,43 @@ def mma(a, b, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
     else:
         c = tl.dot(a, b, input_precision=DOT_PRECISION)
     return c
+
+
+# Programmatic dependent launch (Hopper and later): a kernel launched with it
+# may start while the kernel before it in the stream finishes, and waits in
+# its first instruction (pdl_prologue) for that kernel's memory. Inside a
+# decode step's CUDA graph that hides each launch's latency between the small
+# kernels of a layer (docs/kernels.md). TANDEM_PDL=0 turns it off.
+PDL_ENV = "TANDEM_PDL"
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_on(device_index: int) -> bool:
+    if os.environ.get(PDL_ENV, "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    import dataclasses
+
+    import triton.language.extra.cuda as cuda_extra
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    launch_option = "launch_pdl" in {f.name for f in dataclasses.fields(CUDAOptions)}
+    if not (launch_option and hasattr(cuda_extra, "gdc_wait")):  # a Triton before programmatic launch
+        return False
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def pdl_enabled(t: torch.Tensor) -> bool:
+    """Whether kernels on t's device launch with programmatic dependent launch."""
+    return t.is_cuda and _pdl_on(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+@triton.jit
+def pdl_prologue(PDL: tl.constexpr):
+    """First statement of a kernel launched with launch_pdl=PDL: wait until the
+    kernel before it has finished and its writes are visible (nothing of this
+    kernel reads or writes memory before), then let the kernel after it be
+    launched, so that its programs are resident and waiting when this one
+    ends. Without PDL both are no-ops and are left out."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.common_triton import dot_settings, mma
+from tandem.kernels.common_triton import dot_settings, mma, pdl_enabled, pdl_prologue
 
 LOG2E = 1.4426950408889634
 
@@ -91,8 +91,9 @@ def _decode_partition_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -233,8 +234,9 @@ def _decode_reduce_kernel(
     stride_pl_seq, stride_pl_head,
     stride_o_tok, stride_o_head,
     num_splits,
-    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLIT_CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     # Every one of the grid's num_splits partitions wrote its (lse, output), -inf
     # and zeros when empty, so nothing here waits on seq_lens: the loads of lse
     # and of the partial outputs go out together, one round trip to memory.
@@ -345,6 +347,7 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
                                device=query.device)
         po_strides = part_out.stride()[:3]
         pl_strides = part_lse.stride()[:2]
+    pdl = pdl_enabled(query)
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, key_cache, value_cache, block_tables, seq_lens, out, part_out, part_lse,
         counters,
@@ -359,7 +362,7 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         GROUP_P2=max(2, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SINGLE_SPLIT=single, FUSED_REDUCE=fused,
         SPLIT_CHUNK=choices.split_chunk,
-        **dot_settings(query.dtype), num_warps=num_warps, num_stages=num_stages,
+        **dot_settings(query.dtype), PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
     if not single and not fused:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -368,7 +371,7 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
             out.stride(0), out.stride(1),
             num_splits,
             HEAD_DIM=head_dim, SPLITS_PAD=choices.reduce_splits_pad,
-            SPLIT_CHUNK=choices.reduce_chunk,
-            num_warps=4,
+            SPLIT_CHUNK=choices.reduce_chunk, PDL=pdl,
+            num_warps=4, launch_pdl=pdl,
         )
     return out

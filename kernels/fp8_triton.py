@@ -27,12 +27,14 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.common_triton import pdl_enabled, pdl_prologue
 from tandem.kernels.fp8_torch import FP8_DTYPE, FP8_MAX, INV_FP8_MAX, MIN_SCALE
 
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n_cols, fp8_max, inv_fp8_max, min_scale,
-                          BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+                          BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     if ONE_PASS:  # the whole row in registers: read once
@@ -73,8 +75,9 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         one_pass = k <= 16384
         block = triton.next_power_of_2(k) if one_pass else 4096
         warps = 16 if block >= 8192 else 8 if block >= 2048 else 4
+        pdl = pdl_enabled(x)
         _quantize_rows_kernel[(m,)](x, q, scale, x.stride(0), q.stride(0), k, FP8_MAX, INV_FP8_MAX, MIN_SCALE,
-                                    BLOCK=block, ONE_PASS=one_pass, num_warps=warps)
+                                    BLOCK=block, ONE_PASS=one_pass, PDL=pdl, num_warps=warps, launch_pdl=pdl)
     return q, scale
 
 
@@ -107,12 +110,13 @@ def _fp8_skinny_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, 
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, N, K, stride_x, stride_w, stride_out,
                      fp8_max, inv_fp8_max, min_scale, HAS_BIAS: tl.constexpr, QUANTIZE: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """One row of activations: products on the CUDA cores, each program
     streaming BLOCK_N whole weight rows (a decode step of one sequence reads
     every weight once and multiplies it once: no tile to reuse). x: e4m3
     with scales xs, or with QUANTIZE the unquantized row, quantized here
     with _quantize_rows_kernel's operations (xs unused)."""
+    pdl_prologue(PDL)
     # Rows vary fastest over the grid: the programs of one weight tile run
     # side by side, and all but the first read it from L2.
     row = tl.program_id(0).to(tl.int64)
@@ -165,11 +169,13 @@ def fp8_gemv(x: torch.Tensor, x_scale: Optional[torch.Tensor], weight: torch.Ten
     block_k = block_k or (1024 if k > 8192 else 512)
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    pdl = pdl_enabled(x)
     _fp8_gemv_kernel[(m, triton.cdiv(n, block_n))](
         x, x_scale if x_scale is not None else weight_scale, weight, weight_scale,
         bias if bias is not None else weight_scale, out, n, k, x.stride(0), weight.stride(0), out.stride(0),
         FP8_MAX, INV_FP8_MAX, MIN_SCALE, HAS_BIAS=bias is not None, QUANTIZE=x_scale is None,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+        BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+        launch_pdl=pdl)
     return out
 
 

@@ -20,12 +20,15 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.common_triton import pdl_enabled, pdl_prologue
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr,
                      stride_x_row, stride_x_head, stride_res_row, stride_out_row, stride_out_head,
                      num_heads, n_cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0)
     tok = (row // num_heads).to(tl.int64)
     head = (row % num_heads).to(tl.int64)
@@ -60,9 +63,11 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     stride_head = x.stride(1) if x.dim() == 3 else 0
     out_head = out.stride(1) if x.dim() == 3 else 0
     res = residual if residual is not None else x
+    pdl = pdl_enabled(x)
     _rms_norm_kernel[(rows,)](
         x, res, weight, out, x.stride(0), stride_head, res.stride(0), out.stride(0), out_head,
-        heads, n, eps, HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n))
+        heads, n, eps, HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n), PDL=pdl,
+        launch_pdl=pdl)
     return out, residual
 
 
@@ -70,7 +75,8 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr,
                    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_cs_tok,
                    NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
-                   HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr):
+                   HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     tok = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, HALF_PAD)
     dmask = d < HALF
@@ -110,15 +116,18 @@ def rotary_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     if tokens == 0:
         return q, k
     half = head_dim // 2
+    pdl = pdl_enabled(q)
     _rotary_kernel[(tokens,)](
         q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
         NUM_Q_HEADS=num_q, NUM_K_HEADS=k.shape[1], HALF=half, HALF_PAD=triton.next_power_of_2(half),
-        HEADS_PAD=triton.next_power_of_2(max(num_q, k.shape[1])))
+        HEADS_PAD=triton.next_power_of_2(max(num_q, k.shape[1])), PDL=pdl, launch_pdl=pdl)
     return q, k
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl_prologue(PDL)
     tok = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -139,6 +148,7 @@ def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     if tokens == 0:
         return out
     block = min(1024, triton.next_power_of_2(n))
+    pdl = pdl_enabled(gate_up)
     _silu_and_mul_kernel[(tokens, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n,
-                                                          BLOCK=block)
+                                                          BLOCK=block, PDL=pdl, launch_pdl=pdl)
     return out

@@ -1,0 +1,92 @@
+"""Programmatic dependent launch (kernels/common_triton.py): a kernel
+launched with launch_pdl may start before the kernel ahead of it in the
+stream has finished, so it must wait (pdl_prologue) before it touches
+memory. These run on the CPU: the GPU timing is in docs/benchmarks.md and
+tests/gpu runs the kernels with it on."""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+import torch
+
+KERNELS = pathlib.Path(__file__).resolve().parents[2] / "kernels"
+
+
+def _launches_with_pdl(tree: ast.Module) -> set[str]:
+    """Names of the kernels launched as NAME[grid](..., launch_pdl=...)."""
+    names = set()
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
+                and isinstance(node.func.value, ast.Name)
+                and any(k.arg == "launch_pdl" for k in node.keywords)):
+            names.add(node.func.value.id)
+    return names
+
+
+def _first_statement_is_prologue(fn: ast.FunctionDef) -> bool:
+    body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    first = body[0] if body else None
+    return (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
+            and getattr(first.value.func, "id", None) == "pdl_prologue")
+
+
+def test_every_kernel_launched_with_pdl_waits_before_anything_else():
+    launched = {}
+    for path in sorted(KERNELS.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        functions = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        for name in _launches_with_pdl(tree):
+            launched[f"{path.name}:{name}"] = _first_statement_is_prologue(functions[name])
+    # the decode step's kernels: norm, rotary, KV write, attention and its
+    # reduce, SiLU-and-multiply, the FP8 quantizer and GEMV
+    assert len(launched) == 8, sorted(launched)
+    assert all(launched.values()), [k for k, ok in launched.items() if not ok]
+
+
+def test_the_prologue_is_grid_dependency_control_on_hopper_and_nothing_without():
+    """Compiled for sm90 on this machine (no GPU needed): with PDL the wait
+    comes before the kernel's first global load; without, no such instruction."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tandem.kernels.cache_write import _write_kv_kernel
+
+    signature = {name: "*bf16" for name in ("key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr")}
+    signature["slot_mapping_ptr"] = "*i64"
+    signature.update({name: "i32" for name in ("stride_key_tok", "stride_key_head", "stride_value_tok",
+                                                "stride_value_head", "stride_cache_slot", "stride_cache_head")})
+    constexprs = {"NUM_KV_HEADS": 8, "HEAD_DIM": 128, "HEADS_PAD": 8}
+    signature.update({name: "constexpr" for name in (*constexprs, "PDL")})
+    for pdl in (False, True):
+        source = ASTSource(fn=_write_kv_kernel, signature=signature, constexprs={**constexprs, "PDL": pdl})
+        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": 4, "launch_pdl": pdl}).asm["ptx"]
+        if not pdl:
+            assert "griddepcontrol" not in ptx
+            continue
+        assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
+        assert "griddepcontrol.launch_dependents" in ptx
+
+
+def test_pdl_is_off_for_cpu_tensors_and_under_tandem_pdl_0(monkeypatch):
+    from tandem.kernels import common_triton
+
+    assert not common_triton.pdl_enabled(torch.zeros(1))
+    monkeypatch.setenv("TANDEM_PDL", "0")
+    common_triton._pdl_on.cache_clear()
+    try:
+        assert common_triton._pdl_on(0) is False  # decided before any CUDA call
+    finally:
+        common_triton._pdl_on.cache_clear()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pdl_follows_the_device_capability():
+    from tandem.kernels import common_triton
+
+    common_triton._pdl_on.cache_clear()
+    expected = torch.cuda.get_device_capability(0) >= (9, 0)
+    assert common_triton.pdl_enabled(torch.zeros(1, device="cuda")) == expected
