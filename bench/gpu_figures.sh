@@ -29,7 +29,7 @@ for what in "${@:-tests latency throughput}"; do
       python -m pytest -q -rxXs tests/gpu -p no:cacheprovider 2>&1 | tail -25 ;;
     latency)
       python -m tandem.bench.latency --preset llama-3-8b --batch-sizes 1,8,64,256 --context 512 \
-        --steps 20 --output-json "$OUT/latency_llama3_8b.json"
+        --steps 20 --kernel-profile 12 --output-json "$OUT/latency_llama3_8b.json"
       python -m tandem.bench.latency --preset llama-3-8b --batch-sizes 1,8 --context 512 --steps 20 \
         --enforce-eager --output-json "$OUT/latency_llama3_8b_eager.json" ;;
     tp-tests)  # needs two GPUs: the TP tests (more than one lent command's 600 s: one call for
