@@ -147,6 +147,9 @@ def run(args: argparse.Namespace) -> int:
         f"{warmup.batches} batches in {warmup.seconds:.1f} s, "
         f"{warmup.compiled if warmup.compiled >= 0 else 'uncounted'} Triton kernels compiled"
         if warmup else "none"), file=sys.stderr)
+    if args.kernel_profile and device.type != "cuda":
+        print("--kernel-profile: CUDA only (torch.profiler's kernel records); no profile on "
+              f"{device.type}", file=sys.stderr)
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s; weights {weight_bytes / 2**30:.2f} GiB{experts}; "
           f"KV {kv_bytes_per_token / 1024:.0f} KiB/token; tokenizer: "
           f"{'yes' if engine.tokenizer is not None else 'none (no detokenizing)'}", file=sys.stderr)
