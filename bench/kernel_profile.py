@@ -28,6 +28,10 @@ class StepProfile:
     kernels: list[KernelShare]  # longest first
     busy_us_per_step: float  # the union of the kernels' intervals
     span_us_per_step: float  # first kernel start to last kernel end, over all steps
+    # The mean of the `steps` longest idle gaps: back to back, each step
+    # boundary where the GPU waits for the host's next step has one, so this
+    # is the host time a step exposes (an upper bound: launch gaps count too).
+    longest_gap_us_per_step: float = 0.0
 
     def table(self, top: int) -> str:
         lines = [f"{'us/step':>9}{'share':>7}{'calls':>7}  kernel"]
@@ -39,19 +43,23 @@ class StepProfile:
             lines.append(f"{sum(k.us_per_step for k in rest):>9.1f}{'':>7}{sum(k.calls_per_step for k in rest):>7.1f}"
                          f"  ({len(rest)} other kernels)")
         lines.append(f"kernels busy {self.busy_us_per_step / 1e3:.3f} ms of a {self.span_us_per_step / 1e3:.3f} ms "
-                     f"span a step (between kernels: {(self.span_us_per_step - self.busy_us_per_step) / 1e3:.3f} ms)")
+                     f"span a step (between kernels: {(self.span_us_per_step - self.busy_us_per_step) / 1e3:.3f} ms; "
+                     f"the longest gap a step: {self.longest_gap_us_per_step / 1e3:.3f} ms)")
         return "\n".join(lines)
 
 
-def _busy(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of [start, end) intervals."""
-    busy, end_so_far = 0.0, float("-inf")
+def _busy_and_gaps(intervals: list[tuple[float, float]]) -> tuple[float, list[float]]:
+    """Length of the union of [start, end) intervals, and the idle gaps
+    between its pieces."""
+    busy, end_so_far, gaps = 0.0, float("-inf"), []
     for start, end in sorted(intervals):
         if end <= end_so_far:
             continue
+        if start > end_so_far > float("-inf"):
+            gaps.append(start - end_so_far)
         busy += end - max(start, end_so_far)
         end_so_far = end
-    return busy
+    return busy, gaps
 
 
 def profile_steps(step: Callable[[], None], steps: int) -> StepProfile:
@@ -76,4 +84,6 @@ def profile_steps(step: Callable[[], None], steps: int) -> StepProfile:
     kernels = sorted((KernelShare(name, len(d) / steps, sum(d) / steps) for name, d in per_name.items()),
                      key=lambda k: -k.us_per_step)
     span = (max(e for _, e in intervals) - min(s for s, _ in intervals)) if intervals else 0.0
-    return StepProfile(steps, kernels, _busy(intervals) / steps, span / steps)
+    busy, gaps = _busy_and_gaps(intervals)
+    longest = sorted(gaps, reverse=True)[:steps]
+    return StepProfile(steps, kernels, busy / steps, span / steps, sum(longest) / steps)

@@ -34,14 +34,15 @@ def test_latency_bench_writes_consistent_rows(tmp_path):
 
 def test_kernel_profile_busy_time_is_the_union_of_intervals():
     """The time between kernels is the span less the union of their intervals:
-    overlapping kernels (two streams) are not counted twice."""
-    from tandem.bench.kernel_profile import KernelShare, StepProfile, _busy
+    overlapping kernels (two streams) are not counted twice; the gaps are
+    those between the union's pieces."""
+    from tandem.bench.kernel_profile import KernelShare, StepProfile, _busy_and_gaps
 
-    assert _busy([]) == 0.0
-    assert _busy([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17.0
+    assert _busy_and_gaps([]) == (0.0, [])
+    assert _busy_and_gaps([(0, 10), (5, 12), (20, 25), (21, 22), (26, 30)]) == (21.0, [8, 1])
     profile = StepProfile(steps=2, kernels=[KernelShare("gemv", 64.0, 900.0), KernelShare("norm", 65.0, 100.0),
                                             KernelShare("copy", 1.0, 10.0)],
-                          busy_us_per_step=1000.0, span_us_per_step=1250.0)
+                          busy_us_per_step=1000.0, span_us_per_step=1250.0, longest_gap_us_per_step=120.0)
     table = profile.table(top=2)
     assert "gemv" in table and "norm" in table and "(1 other kernels)" in table
-    assert "between kernels: 0.250 ms" in table
+    assert "between kernels: 0.250 ms; the longest gap a step: 0.120 ms" in table
