@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.common_triton import pdl_enabled, pdl_prologue
+from tandem.kernels.common_triton import pdl_launch, pdl_prologue
 
 
 @triton.jit
@@ -55,13 +55,12 @@ def write_kv_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tens
                              f"(stride {t.stride(2)}); pass .contiguous()")
     flat = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_slots, H, D]
     key_cache, value_cache = flat[0], flat[1]
-    pdl = pdl_enabled(key)
     _write_kv_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HEADS_PAD=triton.next_power_of_2(num_kv_heads), PDL=pdl, launch_pdl=pdl,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads), **pdl_launch(key),
     )
 
 

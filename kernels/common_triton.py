@@ -64,6 +64,14 @@ def pdl_enabled(t: torch.Tensor) -> bool:
     return t.is_cuda and _pdl_on(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
+def pdl_launch(t: torch.Tensor) -> dict[str, bool]:
+    """The launch arguments of a kernel that starts with pdl_prologue, for
+    t's device: its PDL constexpr and Triton's launch_pdl, always equal (a
+    dependent launch without the kernel's wait would race the kernel before)."""
+    on = pdl_enabled(t)
+    return {"PDL": on, "launch_pdl": on}
+
+
 @triton.jit
 def pdl_prologue(PDL: tl.constexpr):
     """First statement of a kernel launched with launch_pdl=PDL: wait until the

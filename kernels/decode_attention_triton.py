@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.common_triton import dot_settings, mma, pdl_enabled, pdl_prologue
+from tandem.kernels.common_triton import dot_settings, mma, pdl_launch, pdl_prologue
 
 LOG2E = 1.4426950408889634
 
@@ -347,7 +347,7 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
                                device=query.device)
         po_strides = part_out.stride()[:3]
         pl_strides = part_lse.stride()[:2]
-    pdl = pdl_enabled(query)
+    pdl = pdl_launch(query)
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, key_cache, value_cache, block_tables, seq_lens, out, part_out, part_lse,
         counters,
@@ -362,7 +362,7 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         GROUP_P2=max(2, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SINGLE_SPLIT=single, FUSED_REDUCE=fused,
         SPLIT_CHUNK=choices.split_chunk,
-        **dot_settings(query.dtype), PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        **dot_settings(query.dtype), **pdl, num_warps=num_warps, num_stages=num_stages,
     )
     if not single and not fused:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -371,7 +371,7 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
             out.stride(0), out.stride(1),
             num_splits,
             HEAD_DIM=head_dim, SPLITS_PAD=choices.reduce_splits_pad,
-            SPLIT_CHUNK=choices.reduce_chunk, PDL=pdl,
-            num_warps=4, launch_pdl=pdl,
+            SPLIT_CHUNK=choices.reduce_chunk, **pdl,
+            num_warps=4,
         )
     return out

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.common_triton import pdl_enabled, pdl_prologue
+from tandem.kernels.common_triton import pdl_launch, pdl_prologue
 from tandem.kernels.fp8_torch import FP8_DTYPE, FP8_MAX, INV_FP8_MAX, MIN_SCALE
 
 
@@ -75,9 +75,8 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         one_pass = k <= 16384
         block = triton.next_power_of_2(k) if one_pass else 4096
         warps = 16 if block >= 8192 else 8 if block >= 2048 else 4
-        pdl = pdl_enabled(x)
         _quantize_rows_kernel[(m,)](x, q, scale, x.stride(0), q.stride(0), k, FP8_MAX, INV_FP8_MAX, MIN_SCALE,
-                                    BLOCK=block, ONE_PASS=one_pass, PDL=pdl, num_warps=warps, launch_pdl=pdl)
+                                    BLOCK=block, ONE_PASS=one_pass, **pdl_launch(x), num_warps=warps)
     return q, scale
 
 
@@ -169,13 +168,11 @@ def fp8_gemv(x: torch.Tensor, x_scale: Optional[torch.Tensor], weight: torch.Ten
     block_k = block_k or (1024 if k > 8192 else 512)
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
-    pdl = pdl_enabled(x)
     _fp8_gemv_kernel[(m, triton.cdiv(n, block_n))](
         x, x_scale if x_scale is not None else weight_scale, weight, weight_scale,
         bias if bias is not None else weight_scale, out, n, k, x.stride(0), weight.stride(0), out.stride(0),
         FP8_MAX, INV_FP8_MAX, MIN_SCALE, HAS_BIAS=bias is not None, QUANTIZE=x_scale is None,
-        BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
-        launch_pdl=pdl)
+        BLOCK_N=block_n, BLOCK_K=block_k, **pdl_launch(x), num_warps=num_warps, num_stages=num_stages)
     return out
 
 

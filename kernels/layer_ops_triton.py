@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.common_triton import pdl_enabled, pdl_prologue
+from tandem.kernels.common_triton import pdl_launch, pdl_prologue
 
 
 @triton.jit
@@ -63,11 +63,10 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     stride_head = x.stride(1) if x.dim() == 3 else 0
     out_head = out.stride(1) if x.dim() == 3 else 0
     res = residual if residual is not None else x
-    pdl = pdl_enabled(x)
     _rms_norm_kernel[(rows,)](
         x, res, weight, out, x.stride(0), stride_head, res.stride(0), out.stride(0), out_head,
-        heads, n, eps, HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n), PDL=pdl,
-        launch_pdl=pdl)
+        heads, n, eps, HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n),
+        **pdl_launch(x))
     return out, residual
 
 
@@ -116,11 +115,10 @@ def rotary_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     if tokens == 0:
         return q, k
     half = head_dim // 2
-    pdl = pdl_enabled(q)
     _rotary_kernel[(tokens,)](
         q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
         NUM_Q_HEADS=num_q, NUM_K_HEADS=k.shape[1], HALF=half, HALF_PAD=triton.next_power_of_2(half),
-        HEADS_PAD=triton.next_power_of_2(max(num_q, k.shape[1])), PDL=pdl, launch_pdl=pdl)
+        HEADS_PAD=triton.next_power_of_2(max(num_q, k.shape[1])), **pdl_launch(q))
     return q, k
 
 
@@ -148,7 +146,6 @@ def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     if tokens == 0:
         return out
     block = min(1024, triton.next_power_of_2(n))
-    pdl = pdl_enabled(gate_up)
     _silu_and_mul_kernel[(tokens, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n,
-                                                          BLOCK=block, PDL=pdl, launch_pdl=pdl)
+                                                          BLOCK=block, **pdl_launch(gate_up))
     return out

@@ -15,14 +15,22 @@ KERNELS = pathlib.Path(__file__).resolve().parents[2] / "kernels"
 
 
 def _launches_with_pdl(tree: ast.Module) -> set[str]:
-    """Names of the kernels launched as NAME[grid](..., launch_pdl=...)."""
+    """Names of the kernels launched as NAME[grid](..., launch_pdl=...) or
+    with **pdl_launch(t) (directly, or through a name assigned it)."""
+    bound = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and _calls_pdl_launch(n.value)
+             for t in n.targets if isinstance(t, ast.Name)}
     names = set()
     for node in ast.walk(tree):
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
                 and isinstance(node.func.value, ast.Name)
-                and any(k.arg == "launch_pdl" for k in node.keywords)):
+                and any(k.arg == "launch_pdl" or (k.arg is None and (_calls_pdl_launch(k.value) or (
+                    isinstance(k.value, ast.Name) and k.value.id in bound))) for k in node.keywords)):
             names.add(node.func.value.id)
     return names
+
+
+def _calls_pdl_launch(node: ast.AST) -> bool:
+    return isinstance(node, ast.Call) and getattr(node.func, "id", None) == "pdl_launch"
 
 
 def _first_statement_is_prologue(fn: ast.FunctionDef) -> bool:
@@ -75,6 +83,7 @@ def test_pdl_is_off_for_cpu_tensors_and_under_tandem_pdl_0(monkeypatch):
     from tandem.kernels import common_triton
 
     assert not common_triton.pdl_enabled(torch.zeros(1))
+    assert common_triton.pdl_launch(torch.zeros(1)) == {"PDL": False, "launch_pdl": False}
     monkeypatch.setenv("TANDEM_PDL", "0")
     common_triton._pdl_on.cache_clear()
     try:
