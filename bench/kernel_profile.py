@@ -6,7 +6,11 @@ Why beside `bench latency`'s step and floor: a step above its floor is either
 kernels that move bytes slower than the copy bandwidth, or time between
 kernels (launch gaps, host waits). The table shows the first per kernel; the
 busy time against the span from the first kernel's start to the last one's
-end shows the second.
+end shows the second. A kernel launched with programmatic dependent launch
+(kernels/common_triton.py) starts before the one it follows has ended and
+waits on the GPU: its time includes that wait, so the per-kernel sums then
+exceed the busy time (the table says so), while busy and between-kernel
+times stay right.
 """
 from __future__ import annotations
 
@@ -45,6 +49,9 @@ class StepProfile:
         lines.append(f"kernels busy {self.busy_us_per_step / 1e3:.3f} ms of a {self.span_us_per_step / 1e3:.3f} ms "
                      f"span a step (between kernels: {(self.span_us_per_step - self.busy_us_per_step) / 1e3:.3f} ms; "
                      f"the longest gap a step: {self.longest_gap_us_per_step / 1e3:.3f} ms)")
+        if total > 1.05 * self.busy_us_per_step:
+            lines.append(f"the kernels' times sum to {total / 1e3:.3f} ms a step, more than busy: they overlap "
+                         "(a dependent launch waits for the kernel before inside its own time)")
         return "\n".join(lines)
 
 

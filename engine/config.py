@@ -236,8 +236,8 @@ class EngineArgs:
         None, "context length; unset: the model's own limit", group=_MODEL)
     quantization: Optional[Literal["fp8"]] = flag_field(
         None, "fp8: the decoder's linear layers in FP8 (e4m3 weights, a scale per output channel, "
-        "activations quantized per token), quantized from the checkpoint at load; needs a GPU of "
-        "compute capability 8.9+ (Hopper, Ada), runs as a dequantizing twin on the CPU; not for "
+        "activations quantized per token except in steps of one token), quantized from the checkpoint at "
+        "load; needs a GPU of compute capability 8.9+ (Hopper, Ada), runs as a dequantizing twin on the CPU; not for "
         "MoE models yet. Unset: the checkpoint's own (a HF FP8 checkpoint loads as FP8), else --dtype",
         group=_MODEL)
     seed: int = internal_field(

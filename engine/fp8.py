@@ -1,5 +1,6 @@
 """FP8 weights: e4m3 linear layers with one scale per output channel and
-per-token activation scales computed on the fly (kernels/fp8_torch.py has
+per-token activation scales computed on the fly, but for steps of one token,
+which multiply unquantized activations (kernels/fp8_torch.py has
 the arithmetic).
 
 Two ways in, one form in memory:

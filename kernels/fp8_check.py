@@ -4,19 +4,17 @@ dequantizing twin (fp8_torch.py), and on a GPU time them against bf16.
     TRITON_INTERPRET=1 python -m tandem.kernels.fp8_check --device cpu   # the Triton GEMMs, CI
     python -m tandem.kernels.fp8_check --device cuda --bench             # on a GPU (8.9+)
 
-Cases: the one-row GEMV and the skinny GEMM at 1-150 rows (the GEMV up to 16
-rows on the CPU; with and without bias, widths that are not multiples of
-their tiles), the GEMV quantizing its rows itself (up to 16 rows on the
-CPU) and, on CUDA, the activation
-quantizer, the FP8 GEMM (torch._scaled_mm) and the layer's own choice. The
-quantizer is not checked under the interpreter: its fp32 -> e4m3 cast is
-wrong where rounding carries into the next power of two (125.1 becomes 64,
-not 128). The fused GEMV is: bit for bit against the quantizer then the GEMV
-(both take the same cast), and against the twin on rows built so that no
-rounding carries (e4m3_rows). --bench times the layers of an 8B Llama (q/k/v,
-o, gate/up, down) at 1, 8, 64 and 256 rows: bf16 matmul, the quantizer alone,
-the FP8 GEMM and, at one row, the layer's own choice and the GEMV under a few
-tile choices, after the quantizer and fused with it (median of CUDA graph
+Cases, with and without bias, at widths that are not multiples of the
+tiles: the weight-only GEMV (the layer's one row) against the twin's
+weight-only product, at 1-150 rows (up to 16 on the CPU); the skinny GEMM
+against the twin's quantized product; the activation quantizer; on CUDA the
+FP8 GEMM (torch._scaled_mm) and the layer's own choice. Under the
+interpreter the quantizer is checked on rows built so that no rounding
+carries into the next power of two (e4m3_rows): there the interpreter's
+fp32 -> e4m3 cast is wrong (125.1 becomes 64, not 128). --bench times the
+layers of an 8B Llama (q/k/v, o, gate/up, down) at 1, 8, 64 and 256 rows:
+bf16 matmul, the quantizer alone, the FP8 GEMM and, at one row, the layer's
+own choice and the GEMV under a few tile choices (median of CUDA graph
 replays).
 
 Exit status 0 when every case agrees; the last line says how many were checked.
@@ -72,19 +70,24 @@ def cases(device: str) -> Iterator[Case]:
             w = torch.randn(n, k, generator=gen).to(device)
             bias = torch.randn(n, generator=gen).to(device=device, dtype=dtype) if has_bias else None
             wq, ws = quantize_weight(w)
-            ref = fp8_linear_torch(x, wq, ws, bias)
+            quantized = fp8_linear_torch(x, wq, ws, bias, weight_only=False)
             q, xs = quantize_rows_torch(x)
             shape = f"rows={rows} k={k} n={n} bias={has_bias} {str(dtype)[6:]}"
-            results = {"skinny": fp8_skinny_gemm(q, xs, wq, ws, bias, dtype)}
-            # The layer runs the GEMV at one row (GEMV_MAX_ROWS); under the
-            # interpreter its grid of rows x channel tiles takes 5 s a call at
-            # 64-150 rows, so there it is checked up to 16 rows.
+            # (result, the twin's product it must equal, tolerance)
+            results = {"skinny": (fp8_skinny_gemm(q, xs, wq, ws, bias, dtype), quantized, TOLERANCE[dtype])}
+            # The layer runs the GEMV at one row (WEIGHT_ONLY_MAX_ROWS); under
+            # the interpreter its grid of rows x channel tiles takes 5 s a call
+            # at 64-150 rows, so there it is checked up to 16 rows.
             if device == "cuda" or rows <= 16:
-                results["gemv"] = fp8_gemv(q, xs, wq, ws, bias, dtype)
+                results["gemv"] = (fp8_gemv(x, wq, ws, bias, dtype),
+                                   fp8_linear_torch(x, wq, ws, bias, weight_only=True), TOLERANCE[dtype])
             if device == "cuda":
                 if k % 16 == 0 and n % 16 == 0:
-                    results["fp8 gemm"] = fp8_linear_cuda(x, wq, ws, bias, skinny=False)
-                results["layer"] = fp8_linear_cuda(x, wq, ws, bias)
+                    results["fp8 gemm"] = (fp8_linear_cuda(x, wq, ws, bias, skinny=False), quantized,
+                                           FP8_GEMM_TOLERANCE)
+                # whichever path the layer picks for these rows, the FP8 GEMM's included
+                results["layer"] = (fp8_linear_cuda(x, wq, ws, bias), fp8_linear_torch(x, wq, ws, bias),
+                                    FP8_GEMM_TOLERANCE)
                 tq, txs = quantize_rows_triton(x)
                 err = relative_error(txs, xs)
                 yield f"quantizer scales {shape}", (err <= TOLERANCE[dtype], err)
@@ -92,38 +95,23 @@ def cases(device: str) -> Iterator[Case]:
                 diff = (tq.float() - q.float()).abs()
                 yield (f"quantizer values {shape} ({int((diff > 0).sum())} differ)",
                        (bool((diff <= q.float().abs() / 8 + 2.0 ** -9).all()), float(diff.max())))
-            for name, out in results.items():
+            else:
+                # carry-free rows, exact in bf16: the interpreter's cast rounds them right
+                xe = e4m3_rows(rows, k, gen).to(dtype)
+                (tq, txs), (eq, exs) = quantize_rows_triton(xe), quantize_rows_torch(xe)
+                yield (f"quantizer {shape} (carry-free rows)",
+                       (torch.equal(txs, exs) and torch.equal(tq.float(), eq.float()),
+                        relative_error(tq.float() * txs, eq.float() * exs)))
+            for name, (out, ref, tolerance) in results.items():
                 err = relative_error(out, ref)
-                # "layer": whichever path the layer picks, the FP8 GEMM's included
-                yield f"{name} {shape}", (err <= (FP8_GEMM_TOLERANCE if name in ("fp8 gemm", "layer")
-                                                  else TOLERANCE[dtype]), err)
-            # The layer runs it at one row; a few rows show each has its own
-            # scale (64-150 rows take the interpreter 5 s a call).
-            if rows > 16 and device != "cuda":
-                continue
-            # The GEMV quantizing its rows itself: the quantizer's then the
-            # GEMV's operations, so at the same tiles (64-wide steps: several
-            # for the amax) their very bits, under the interpreter too (both
-            # sides take its cast) ...
-            tiles = dict(block_n=16, block_k=64)
-            fused = fp8_gemv(x, None, wq, ws, bias, dtype, **tiles)
-            two = fp8_gemv(*quantize_rows_triton(x), wq, ws, bias, dtype, **tiles)
-            yield f"fused gemv = quantizer + gemv {shape}", (torch.equal(fused, two), relative_error(fused, two))
-            # ... and the twin's numbers, on rows whose quantization the
-            # interpreter's cast gets right (no rounding carries into the
-            # next power of two): there the interpreter checks the fused
-            # quantization itself, not only its agreement with the quantizer's.
-            xe = e4m3_rows(rows, k, gen).to(device=device, dtype=dtype)
-            err = relative_error(fp8_gemv(xe, None, wq, ws, bias, dtype), fp8_linear_torch(xe, wq, ws, bias))
-            yield f"fused gemv {shape} (carry-free rows)", (err <= TOLERANCE[dtype], err)
+                yield f"{name} {shape}", (err <= tolerance, err)
 
 
 def bench() -> None:
     """Times of an 8B Llama's layers (microseconds, median of CUDA graph
     replays, as the engine runs them): bf16, the quantizer alone, the FP8
-    GEMM, and at one row the layer's own choice and the CUDA-core kernel
-    under a few tile choices, after the quantizer (gemv) and quantizing the
-    row itself (fused), so the defaults come from numbers."""
+    GEMM, and at one row the layer's own choice and the weight-only GEMV
+    under a few tile choices, so the defaults come from numbers."""
     import triton.testing
 
     from tandem.kernels.fp8_triton import fp8_gemv, fp8_linear_cuda, quantize_rows_triton
@@ -131,7 +119,8 @@ def bench() -> None:
     def time_us(fn) -> float:
         return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
 
-    gemv_configs = [(4, 1024, 4, 3), (8, 512, 4, 3), (8, 1024, 4, 3), (16, 512, 4, 3)]
+    gemv_configs = [(4, 512, 4, 3), (4, 1024, 4, 3), (8, 256, 4, 3), (8, 512, 4, 3), (8, 1024, 4, 3),
+                    (16, 256, 4, 3), (16, 512, 4, 3), (8, 512, 8, 3), (8, 512, 4, 4)]
     for name, k, n in LLAMA_8B_LAYERS:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         wq, ws = quantize_weight(w)
@@ -144,9 +133,7 @@ def bench() -> None:
                 for bn, bk, nw, ns in gemv_configs:
                     tiles = dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
                     cells[f"gemv{bn}x{bk}w{nw}s{ns}"] = time_us(
-                        lambda: fp8_gemv(*quantize_rows_triton(x), wq, ws, None, x.dtype, **tiles))
-                    cells[f"fused{bn}x{bk}w{nw}s{ns}"] = time_us(
-                        lambda: fp8_gemv(x, None, wq, ws, None, x.dtype, **tiles))
+                        lambda: fp8_gemv(x, wq, ws, None, x.dtype, **tiles))
             best = min((v, c) for c, v in cells.items() if c not in ("bf16", "quant", "layer"))
             print(f"{name:<8} rows={rows:<4} " + " ".join(f"{c}={v:.1f}" for c, v in cells.items())
                   + f"  best {best[1]} {cells['bf16'] / best[0]:.2f}x bf16")

@@ -3,17 +3,16 @@ per token; torch._scaled_mm (the FP8 GEMM of cuBLASLt/CUTLASS, Hopper and
 Ada) multiplies them by the e4m3 weight with row-wise scales (the token's
 scale on A's rows, the channel's on B's columns), accumulated in fp32,
 written in bf16. For one row (decode of one sequence) a Triton kernel on the
-CUDA cores does the same arithmetic over narrow tiles that keep every
-multiprocessor streaming weights (and, for the smaller weights, quantizes
-the row itself); a Triton tensor-core kernel takes the widths the FP8 GEMM
-refuses (not multiples of 16).
+CUDA cores multiplies the row, left in the model dtype, by the e4m3 weight
+over narrow tiles that keep every multiprocessor streaming weights (the
+twin's weight-only rule, fp8_torch.WEIGHT_ONLY_MAX_ROWS: no quantizer
+launch); a Triton tensor-core kernel takes the widths the FP8 GEMM refuses
+(not multiples of 16).
 
 Why a kernel for the quantization: as torch expressions it is five launches
 (abs, amax, divide, clamp, cast) per linear layer, four layers a block; at
 batch 1 those launches would cost as much as the bandwidth FP8 saves. Here it
 is one launch that reads each row twice (its amax, then its quantized values).
-At one row the GEMV can do the same in each of its programs, with no launch
-of its own: see FUSED_GEMV_MAX_WEIGHTS for where that pays.
 
 Twin: fp8_torch.py (same scales, same clamping; e4m3 rounding is
 round-to-nearest-even in both).
@@ -28,7 +27,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.common_triton import pdl_launch, pdl_prologue
-from tandem.kernels.fp8_torch import FP8_DTYPE, FP8_MAX, INV_FP8_MAX, MIN_SCALE
+from tandem.kernels.fp8_torch import FP8_DTYPE, FP8_MAX, INV_FP8_MAX, MIN_SCALE, WEIGHT_ONLY_MAX_ROWS
 
 
 @triton.jit
@@ -107,14 +106,12 @@ def _fp8_skinny_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, 
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, N, K, stride_x, stride_w, stride_out,
-                     fp8_max, inv_fp8_max, min_scale, HAS_BIAS: tl.constexpr, QUANTIZE: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """One row of activations: products on the CUDA cores, each program
-    streaming BLOCK_N whole weight rows (a decode step of one sequence reads
-    every weight once and multiplies it once: no tile to reuse). x: e4m3
-    with scales xs, or with QUANTIZE the unquantized row, quantized here
-    with _quantize_rows_kernel's operations (xs unused)."""
+def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, N, K, stride_x, stride_w, stride_out,
+                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """One row of activations in the model dtype times the e4m3 weight:
+    products on the CUDA cores in fp32, each program streaming BLOCK_N whole
+    weight rows (a decode step of one sequence reads every weight once and
+    multiplies it once: no tile to reuse)."""
     pdl_prologue(PDL)
     # Rows vary fastest over the grid: the programs of one weight tile run
     # side by side, and all but the first read it from L2.
@@ -122,78 +119,42 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, N, K, stri
     pid_n = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     x_row = x_ptr + row * stride_x
-    if QUANTIZE:
-        # Every program reads the whole row for its amax (from L2 but for the
-        # first) and quantizes all of it: for the smaller weights cheaper than
-        # a launch of the quantizer (FUSED_GEMV_MAX_WEIGHTS).
-        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for start in range(0, K, BLOCK_K):
-            ks = start + tl.arange(0, BLOCK_K)
-            amax = tl.maximum(amax, tl.abs(tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)))
-        x_scale = tl.maximum(tl.max(amax, axis=0) * inv_fp8_max, min_scale)
-    else:
-        x_scale = tl.load(xs_ptr + row)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
-        if QUANTIZE:
-            x = tl.clamp(tl.div_rn(x, x_scale), -fp8_max, fp8_max).to(tl.float8e4nv).to(tl.float32)
         w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + ks[None, :],
                     mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0).to(tl.float32)
         acc += w * x[None, :]
-    out = tl.sum(acc, axis=1) * x_scale * tl.load(ws_ptr + cols, mask=cols < N, other=0.0)
+    out = tl.sum(acc, axis=1) * tl.load(ws_ptr + cols, mask=cols < N, other=0.0)
     if HAS_BIAS:
         out += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=cols < N)
 
 
-def fp8_gemv(x: torch.Tensor, x_scale: Optional[torch.Tensor], weight: torch.Tensor, weight_scale: torch.Tensor,
-             bias: Optional[torch.Tensor], out_dtype: torch.dtype, block_n: Optional[int] = None,
-             block_k: Optional[int] = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
-    """fp8_skinny_gemm's arithmetic, one program per (row, BLOCK_N channels):
-    for one row; each further row rereads the weight (from L2 at best).
-    x: e4m3 [M, K] with fp32 scales x_scale [M, 1], or (x_scale None) the
-    unquantized rows, which the kernel quantizes as quantize_rows_triton
-    does: the same numbers as that quantizer then this GEMV at the same
-    tiles, in one launch.
-    Default tiles: the fastest of `python -m tandem.kernels.fp8_check --bench`
-    on the H200 for an 8B Llama's layers (8 x 512; 4 x 1024 for the 14336-wide
-    down projection), twice the channels when quantizing: a program's
-    quantized row serves more of them (q/k/v 8.0 against 9.9 us)."""
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: Optional[torch.Tensor],
+             out_dtype: torch.dtype, block_n: Optional[int] = None, block_k: Optional[int] = None,
+             num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """x [M, K] in any float dtype, unquantized, times (weight * weight_scale)
+    [N, K]^T (+ bias): fp8_linear_torch's weight-only arithmetic, one program
+    per (row, BLOCK_N channels), for one row; each further row rereads the
+    weight (from L2 at best).
+    Default tiles, 4 x 1024: the fastest or within 0.4 us of it for each of
+    an 8B Llama's layers in `python -m tandem.kernels.fp8_check --bench` on
+    an H100 (q/k/v 8.5 us against 8.2 at 8 x 1024, o 5.7 against 5.5,
+    gate/up 43.1 and down 25.2 the fastest; 8 x 512: 8.9, 6.1, 43.7, 32.9)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
-    block_n = block_n or (4 if k > 8192 else 8) * (2 if x_scale is None else 1)
-    block_k = block_k or (1024 if k > 8192 else 512)
+    block_n = block_n or 4
+    block_k = block_k or 1024
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     _fp8_gemv_kernel[(m, triton.cdiv(n, block_n))](
-        x, x_scale if x_scale is not None else weight_scale, weight, weight_scale,
-        bias if bias is not None else weight_scale, out, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        FP8_MAX, INV_FP8_MAX, MIN_SCALE, HAS_BIAS=bias is not None, QUANTIZE=x_scale is None,
+        x, weight, weight_scale, bias if bias is not None else weight_scale, out, n, k,
+        x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
         BLOCK_N=block_n, BLOCK_K=block_k, **pdl_launch(x), num_warps=num_warps, num_stages=num_stages)
     return out
-
-
-# Up to this many rows the CUDA-core kernel (fp8_gemv) runs; above, the FP8
-# GEMM. Measured on the H200 in the engine (Llama-3-8B decode step, CUDA
-# graphs): at batch 1 the FP8 GEMM alone made FP8 slower than bf16 (5.96 vs
-# 5.50 ms: its tiles of 128 channels leave most multiprocessors idle at one
-# row), fp8_gemv 4.58 ms against bf16's 5.13; at batch 8 and 64 the tensor-core
-# skinny kernel below lost to the FP8 GEMM (10.2 vs 6.1 ms at 8).
-GEMV_MAX_ROWS = 1
-
-# Up to this many weight entries, fp8_gemv quantizes its row itself instead
-# of after a quantizer launch. Each of its programs repeats the row's amax and
-# K exact divisions for its 16 channels, a work that grows with the weight
-# (N / 16 x K divisions) while the launch it saves costs 2-5 us. Measured on
-# the H200 (fp8_check --bench, one row, CUDA graph replays), quantizer + GEMV
-# against fused: q/k/v (6144 x 4096) 8.5 vs 8.0 us, o (4096 x 4096) 8.0 vs
-# 6.6, but gate/up (28672 x 4096) 36.7 vs 40.1 and down (4096 x 14336) 23.2
-# vs 23.8 (the fused kernel at its best tiles); the H100's q/k/v and o: 9.0
-# vs 8.0 and 8.1 vs 6.3.
-FUSED_GEMV_MAX_WEIGHTS = 1 << 25
 
 
 def fp8_skinny_gemm(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -222,22 +183,19 @@ def fp8_linear_cuda(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
                     bias: Optional[torch.Tensor] = None, quantize=quantize_rows_triton,
                     skinny: Optional[bool] = None) -> torch.Tensor:
     """x [M, K] times the e4m3 weight [N, K] (row-major, so weight.t() is the
-    column-major B cuBLASLt wants) with per-channel scales [N], in x's dtype.
-    quantize: the activation quantizer (the twin's under --attention-backend
-    torch); skinny: force (True) or forbid (False) the Triton kernels (None:
-    fp8_gemv up to GEMV_MAX_ROWS rows, the skinny GEMM for widths the FP8
-    GEMM refuses, else the FP8 GEMM)."""
+    column-major B cuBLASLt wants) with per-channel scales [N], in x's dtype,
+    by the twin's rule: up to WEIGHT_ONLY_MAX_ROWS rows x unquantized
+    (fp8_gemv), above it quantized per token. quantize: the activation
+    quantizer (the twin's under --attention-backend torch); skinny (tests
+    and benchmarks): above WEIGHT_ONLY_MAX_ROWS, force (True) or forbid
+    (False) the skinny Triton GEMM (None: it takes only the widths the FP8
+    GEMM refuses)."""
     m, k = x.shape
-    # The FP8 GEMM needs both widths in multiples of 16; the Triton kernels take any.
+    if m <= WEIGHT_ONLY_MAX_ROWS:
+        return fp8_gemv(x, weight, weight_scale, bias, x.dtype)
+    # The FP8 GEMM needs both widths in multiples of 16; the Triton kernel takes any.
     gemm_shapes = k % 16 == 0 and weight.shape[0] % 16 == 0
-    use_triton = skinny if skinny is not None else (m <= GEMV_MAX_ROWS or not gemm_shapes)
-    if use_triton and m <= GEMV_MAX_ROWS:
-        # The GEMV quantizes as quantize_rows_triton does. Another quantizer
-        # (the twin's, under --attention-backend torch) may differ from it in
-        # the last bit of a division (fp8_check), so it runs, as its own launch.
-        if quantize is quantize_rows_triton and weight.numel() <= FUSED_GEMV_MAX_WEIGHTS:
-            return fp8_gemv(x, None, weight, weight_scale, bias, x.dtype)
-        return fp8_gemv(*quantize(x), weight, weight_scale, bias, x.dtype)
+    use_triton = skinny if skinny is not None else not gemm_shapes
     q, x_scale = quantize(x)
     if use_triton:
         return fp8_skinny_gemm(q, x_scale, weight, weight_scale, bias, x.dtype)

@@ -109,9 +109,10 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: Optional[torch.Tensor] = None, weight_fp32: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] times an e4m3 weight [N, K] with per-channel scales [N], the
-    activations quantized per token (fp8_torch.py). On CUDA the FP8 GEMM runs
-    whatever the backend (the torch backend quantizes with the twin);
-    weight_fp32 serves the twin only."""
+    activations quantized per token above WEIGHT_ONLY_MAX_ROWS rows
+    (fp8_torch.py). On CUDA the Triton GEMV and the FP8 GEMM run whatever the
+    backend (the torch backend quantizes with the twin); weight_fp32 serves
+    the twin only."""
     if x.is_cuda:
         from tandem.kernels.fp8_triton import fp8_linear_cuda, quantize_rows_triton
 

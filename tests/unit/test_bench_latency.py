@@ -1,6 +1,7 @@
 """`tandem bench latency` on the CPU with a tiny preset and a tokenizer: one row
 per batch size, numbers that agree with each other, staggered prompt lengths,
 and host time that includes the update step's detokenizing."""
+import dataclasses
 import json
 import subprocess
 import sys
@@ -46,3 +47,7 @@ def test_kernel_profile_busy_time_is_the_union_of_intervals():
     table = profile.table(top=2)
     assert "gemv" in table and "norm" in table and "(1 other kernels)" in table
     assert "between kernels: 0.250 ms; the longest gap a step: 0.120 ms" in table
+    assert "overlap" not in table
+    # kernels that start before the one before them ends (dependent launch)
+    overlapping = dataclasses.replace(profile, busy_us_per_step=800.0)
+    assert "the kernels' times sum to 1.010 ms a step, more than busy: they overlap" in overlapping.table(top=2)

@@ -3,15 +3,18 @@
 The oracle for the engine is HF transformers with the same FP8 arithmetic
 written into it independently: its linear weights replaced by their e4m3
 values times per-channel scales, and a hook that rounds each linear layer's
-input to e4m3 per token. A tiny random Llama and Qwen3 quantized at load must
+input to e4m3 per token, except in a call of one token (the engine leaves a
+step of one token unquantized: WEIGHT_ONLY_MAX_ROWS). A tiny random Llama and Qwen3 quantized at load must
 generate what that model generates; an HF FP8 checkpoint (per-tensor,
 per-channel and block-wise scales) must load into the same numbers; the real
 SmolLM2 must stay close to its bf16 self."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
+from typing import Optional
 
 import pytest
 import torch
@@ -21,7 +24,7 @@ from torch import nn
 from tandem.engine import LLM, SamplingParams
 from tandem.engine.config import ConfigError, EngineArgs
 from tandem.engine.fp8 import Fp8Linear, QuantizationError, effective_quantization
-from tandem.kernels.fp8_torch import fp8_linear_torch, quantize_weight
+from tandem.kernels.fp8_torch import WEIGHT_ONLY_MAX_ROWS, fp8_linear_torch, quantize_weight
 from tests.support.hf_oracle import hf_greedy, run_greedy, tiny_model_dir
 
 E4M3 = torch.float8_e4m3fn
@@ -38,12 +41,25 @@ def _e4m3_round(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return (x / scale).to(E4M3).float() * scale
 
 
-def _fake_quantize_hf(model: nn.Module) -> nn.Module:
+@dataclasses.dataclass
+class InputRounding:
+    """The oracle's rule for a linear layer's input: rounded to e4m3 per token
+    unless the call holds at most `unquantized_rows` tokens."""
+    unquantized_rows: int = 0
+
+    def __call__(self, _module: nn.Module, args: tuple) -> Optional[tuple]:
+        x = args[0]
+        if x.numel() // x.shape[-1] <= self.unquantized_rows:
+            return None
+        return (_e4m3_round(x).to(x.dtype),)
+
+
+def _fake_quantize_hf(model: nn.Module, rounding: InputRounding) -> nn.Module:
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, nn.Linear) and name.startswith("model.layers."):
                 module.weight.copy_(_e4m3_round(module.weight))
-                module.register_forward_pre_hook(lambda _m, args: (_e4m3_round(args[0]).to(args[0].dtype),))
+                module.register_forward_pre_hook(rounding)
     return model
 
 
@@ -69,6 +85,20 @@ def test_fp8_linear_twin_is_the_product_of_the_rounded_operands():
     assert not torch.allclose(ours, x @ w.t() + b, rtol=1e-3, atol=1e-3)
 
 
+def test_fp8_linear_twin_leaves_one_row_unquantized():
+    """A step of one token multiplies its activations, unrounded, by the e4m3
+    weights (WEIGHT_ONLY_MAX_ROWS); two rows are rounded."""
+    torch.manual_seed(0)
+    x, w, b = torch.randn(2, 96), torch.randn(40, 96), torch.randn(40)
+    q, scale = quantize_weight(w)
+    one = fp8_linear_torch(x[:1], q, scale, b)
+    assert torch.allclose(one.double(), x[:1].double() @ _e4m3_round(w).double().t() + b.double(),
+                          rtol=1e-5, atol=1e-5)
+    rounded = _e4m3_round(x[:1]).double() @ _e4m3_round(w).double().t() + b.double()
+    assert not torch.allclose(one.double(), rounded, rtol=1e-3, atol=1e-3)
+    assert torch.allclose(fp8_linear_torch(x, q, scale, b)[:1].double(), rounded, rtol=1e-5, atol=1e-5)
+
+
 def test_fused_fp8_projections_equal_the_separate_ones():
     torch.manual_seed(1)
     parts = [Fp8Linear.quantized(nn.Linear(64, n, bias=True)) for n in (32, 16, 16)]
@@ -82,20 +112,34 @@ def tiny(request, tmp_path_factory):
     path, hf = tiny_model_dir(tmp_path_factory.mktemp("fp8"), request.param)
     rng = random.Random(4)
     prompts = [[rng.randrange(2, 512) for _ in range(n)] for n in LENGTHS]
-    oracle = _fake_quantize_hf(hf)
-    refs = [hf_greedy(oracle, p, MAX_NEW, eos_token_id=None) for p in prompts]
-    return {"path": path, "prompts": prompts, "refs": refs}
+    rounding = InputRounding()
+    oracle = _fake_quantize_hf(hf, rounding)
+    # HF generates each prompt alone: its decode calls hold one token. The
+    # engine generating the six together decodes six a step, all quantized;
+    # one prompt alone, one a step, none quantized.
+    together = [hf_greedy(oracle, p, MAX_NEW, eos_token_id=None) for p in prompts]
+    rounding.unquantized_rows = WEIGHT_ONLY_MAX_ROWS
+    alone = [hf_greedy(oracle, p, MAX_NEW, eos_token_id=None) for p in prompts]
+    return {"path": path, "prompts": prompts, "together": together, "alone": alone}
 
 
-@pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 40, "long_prefill_token_threshold": 24}],
-                         ids=["plain", "chunked"])
-def test_tiny_models_quantized_at_load_match_hf_with_the_same_fp8_rounding(tiny, options):
+# Together: one step prefills the six prompts, then each decode step holds six
+# tokens. Alone and chunked (24-token chunks: none of one token), each prompt
+# its own generate call: steps of one token are its decode steps, and a
+# 1-token prompt's prefill, as in HF.
+@pytest.mark.parametrize("batching, options", [
+    ("together", {}), ("alone", {"max_num_batched_tokens": 40, "long_prefill_token_threshold": 24})],
+    ids=["together-plain", "alone-chunked"])
+def test_tiny_models_quantized_at_load_match_hf_with_the_same_fp8_rounding(tiny, batching, options):
     llm = LLM(tiny["path"], quantization="fp8", **options)
     layer = llm.engine.runner.model.model.layers[0]
     assert isinstance(layer.self_attn.q_proj, Fp8Linear) and isinstance(layer.mlp.down_proj, Fp8Linear)
     assert isinstance(llm.engine.runner.model.lm_head, nn.Linear)  # the LM head stays in the model dtype
-    outs = run_greedy(llm, tiny["prompts"], MAX_NEW)
-    exact = [_same_tokens_and_logprobs(out.outputs[0], ref) for out, ref in zip(outs, tiny["refs"])]
+    if batching == "together":
+        outs = run_greedy(llm, tiny["prompts"], MAX_NEW)
+    else:
+        outs = [run_greedy(llm, [p], MAX_NEW)[0] for p in tiny["prompts"]]
+    exact = [_same_tokens_and_logprobs(out.outputs[0], ref) for out, ref in zip(outs, tiny[batching])]
     # Quantization amplifies the last fp32 bit: an input one ulp from an e4m3
     # rounding midpoint (the two sides sum in different orders) rounds the
     # other way and shifts its whole row by a step, and a long prompt has
