@@ -5,7 +5,7 @@ token's and its channel's scales. A step of one token (WEIGHT_ONLY_MAX_ROWS)
 keeps its activations in the model dtype: only the weights are e4m3.
 
 On a Hopper GPU the same arithmetic runs through torch._scaled_mm
-(fp8_cuda.py). Here the e4m3 values are turned back into fp32 and multiplied
+(fp8_triton.py). Here the e4m3 values are turned back into fp32 and multiplied
 there: every e4m3 value is exact in fp32, so this computes what the FP8
 GEMM computes up to the order of the fp32 sums. It is the CPU path and the
 oracle of the GPU one; it saves no memory bandwidth.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import LlamaConfig
 
 from tandem.engine.models import build_model
 
@@ -13,8 +14,6 @@ def test_building_a_model_draws_no_random_numbers_and_restores_torch_init():
     inits = (nn.init.kaiming_uniform_, nn.init.uniform_, nn.init.normal_)
     torch.manual_seed(0)
     state = torch.random.get_rng_state()
-    from transformers import LlamaConfig
-
     model = build_model(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2))
     assert len(model.model.layers) > 0

@@ -4,10 +4,10 @@ The oracle for the engine is HF transformers with the same FP8 arithmetic
 written into it independently: its linear weights replaced by their e4m3
 values times per-channel scales, and a hook that rounds each linear layer's
 input to e4m3 per token, except in a call of one token (the engine leaves a
-step of one token unquantized: WEIGHT_ONLY_MAX_ROWS). A tiny random Llama and Qwen3 quantized at load must
-generate what that model generates; an HF FP8 checkpoint (per-tensor,
-per-channel and block-wise scales) must load into the same numbers; the real
-SmolLM2 must stay close to its bf16 self."""
+step of one token unquantized: WEIGHT_ONLY_MAX_ROWS). A tiny random Llama and
+Qwen3 quantized at load must generate what that model generates; an HF FP8
+checkpoint (per-tensor, per-channel and block-wise scales) must load into the
+same numbers; the real SmolLM2 must stay close to its bf16 self."""
 from __future__ import annotations
 
 import dataclasses
