@@ -27,7 +27,7 @@ from typing import Iterator
 import torch
 
 from tandem.kernels.check_runner import Case, check_parser, relative_error, run_checks
-from tandem.kernels.fp8_torch import WEIGHT_ONLY_MAX_ROWS, fp8_linear_torch, quantize_rows_torch, quantize_weight
+from tandem.kernels.fp8_torch import fp8_linear_torch, quantize_rows_torch, quantize_weight
 
 # Relative to the reference's largest magnitude. Both sides sum the same
 # exact products in fp32 (in other orders) and round once to the output
@@ -82,8 +82,7 @@ def cases(device: str) -> Iterator[Case]:
                 results["gemv"] = (fp8_gemv(x, wq, ws, bias, dtype),
                                    fp8_linear_torch(x, wq, ws, bias, weight_only=True), TOLERANCE[dtype])
             if device == "cuda":
-                # (at one row the layer runs the GEMV whatever skinny says)
-                if k % 16 == 0 and n % 16 == 0 and rows > WEIGHT_ONLY_MAX_ROWS:
+                if k % 16 == 0 and n % 16 == 0:
                     results["fp8 gemm"] = (fp8_linear_cuda(x, wq, ws, bias, skinny=False), quantized,
                                            FP8_GEMM_TOLERANCE)
                 # whichever path the layer picks for these rows, the FP8 GEMM's included
@@ -129,7 +128,7 @@ def bench() -> None:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             # the FP8 GEMM itself, after the quantizer (the layer's path above one row) at every row count
             cells = {"bf16": time_us(lambda: x @ w.t()), "quant": time_us(lambda: quantize_rows_triton(x)),
-                     "gemm": time_us(lambda: _fp8_gemm(x, wq, ws))}
+                     "gemm": time_us(lambda: fp8_linear_cuda(x, wq, ws, skinny=False))}
             if rows <= 1:
                 cells["layer"] = time_us(lambda: fp8_linear_cuda(x, wq, ws))
                 for bn, bk, nw, ns in gemv_configs:
@@ -139,14 +138,6 @@ def bench() -> None:
             best = min((v, c) for c, v in cells.items() if c not in ("bf16", "quant", "layer"))
             print(f"{name:<8} rows={rows:<4} " + " ".join(f"{c}={v:.1f}" for c, v in cells.items())
                   + f"  best {best[1]} {cells['bf16'] / best[0]:.2f}x bf16")
-
-
-def _fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    from tandem.kernels.fp8_triton import quantize_rows_triton
-
-    q, x_scale = quantize_rows_triton(x)
-    return torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=weight_scale.reshape(1, -1),
-                            out_dtype=torch.bfloat16)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -187,11 +187,11 @@ def fp8_linear_cuda(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     by the twin's rule: up to WEIGHT_ONLY_MAX_ROWS rows x unquantized
     (fp8_gemv), above it quantized per token. quantize: the activation
     quantizer (the twin's under --attention-backend torch); skinny (tests
-    and benchmarks): above WEIGHT_ONLY_MAX_ROWS, force (True) or forbid
-    (False) the skinny Triton GEMM (None: it takes only the widths the FP8
-    GEMM refuses)."""
+    and benchmarks): quantize whatever the rows, then the skinny Triton GEMM
+    (True) or the FP8 GEMM (False); None: the layer's rule, with the skinny
+    GEMM only for the widths the FP8 GEMM refuses."""
     m, k = x.shape
-    if m <= WEIGHT_ONLY_MAX_ROWS:
+    if m <= WEIGHT_ONLY_MAX_ROWS and skinny is None:
         return fp8_gemv(x, weight, weight_scale, bias, x.dtype)
     # The FP8 GEMM needs both widths in multiples of 16; the Triton kernel takes any.
     gemm_shapes = k % 16 == 0 and weight.shape[0] % 16 == 0
