@@ -2,18 +2,35 @@
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
+
+# A test that leaves this process this much larger than after the last
+# collection has its garbage collected at once (an engine is about 1.5 GB).
+COLLECT_AFTER_GROWTH_BYTES = 2**30
+
+_resident_after_collect = 0
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
-    """Collect garbage once a module's fixtures are finalized. An engine (LLM)
-    lives in reference cycles, so a module fixture's engine outlived its module
-    until the interpreter's next full collection, often many modules later:
-    the process running the suite held several engines of about 1.5 GB each
-    at once (16.8 GB resident measured), too much for two test workers."""
+    """Collect garbage once a module's fixtures are finalized, and after a test
+    that grew this process by COLLECT_AFTER_GROWTH_BYTES. An engine (LLM) lives
+    in reference cycles, so it outlived its test or module until the
+    interpreter's next full collection, often many engines later: the process
+    running the suite held up to 16.8 GB, too much for two test workers beside
+    their stacks. Not after every test: a collection walks the whole heap
+    (0.2-0.3 s with an engine loaded), and most tests make no engine."""
+    global _resident_after_collect
     result = yield
-    if nextitem is None or nextitem.module is not item.module:
+    if (nextitem is None or nextitem.module is not item.module
+            or _resident_bytes() > _resident_after_collect + COLLECT_AFTER_GROWTH_BYTES):
         gc.collect()
+        _resident_after_collect = _resident_bytes()
     return result
