@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Sequence
 
 from tandem.services.common.grpc_server import TLSConfig
+from tandem.services.common.parent_death import die_with_parent
 from tandem.services.kvstore.block_client import LOOKUP_CONNECTIONS, BlockStoreClient
 from tandem.services.kvstore.client import KVStoreUnavailable
 from tandem.services.kvstore.frame_pipe import FramePipe
@@ -255,7 +256,7 @@ class _Call:
 
 def _mover_main(settings: tuple, segment: AttachedArena, pipe: FramePipe, store_shared: bool) -> None:
     """The mover process: calls from the pipe, run a few at a time, answered in any order."""
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the group; the engine stops us
     client = BlockStoreClient(*settings)
     client.arena = segment.view
@@ -294,15 +295,6 @@ def _mover_main(settings: tuple, segment: AttachedArena, pipe: FramePipe, store_
     client.close()
     client.arena = None
     segment.close()
-
-
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
 
 
 def main(argv: Optional[list[str]] = None) -> None:

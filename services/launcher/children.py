@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from tandem.services.common.parent_death import die_with_parent
+
 LISTENING = re.compile(r"^(\w+) listening on (\S+):(\d+)\s*$")
 
 
@@ -39,16 +41,6 @@ class Child:
                  "restarts")}
 
 
-def _die_with_parent() -> None:
-    """Children get SIGTERM when the launcher dies, even by SIGKILL (Linux)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:  # not Linux: the launcher's own cleanup still runs
-        pass
-
-
 def start_child(child: Child) -> None:
     """Start `child`, or start it again: a first start empties its log (a
     reused --log-dir must not show stale listening lines), a restart appends
@@ -64,7 +56,7 @@ def start_child(child: Child) -> None:
     env = {k: v for k, v in os.environ.items() if k not in child.env_unset}
     env.update(PYTHONUNBUFFERED="1", **child.env)
     child.process = subprocess.Popen(child.argv, stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent)
+                                     stdin=subprocess.DEVNULL, env=env, preexec_fn=die_with_parent)
     child.pid = child.process.pid
     log.close()
 

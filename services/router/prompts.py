@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 import grpc
 
+from tandem.services.common.parent_death import die_with_parent
 from tandem.services.router.dispatch import DispatchError
 from tandem.services.router.prompter import InvalidRequest, Prepared, Prompter
 
@@ -42,7 +43,7 @@ def _init_worker(tokenizer_blob: bytes, max_choices: int) -> None:
     global _worker
     # Ctrl+C reaches the whole process group; the router stops its workers itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
+    die_with_parent()
     # Below the event loop: where CPUs are short, streams under way go first and
     # a huge body waits for its tokens (it is refused or served later anyway).
     os.nice(WORKER_NICENESS)
@@ -51,16 +52,6 @@ def _init_worker(tokenizer_blob: bytes, max_choices: int) -> None:
 
 def _run(method: str, arg: Any, max_model_len: int) -> Any:
     return getattr(_worker, method)(arg, max_model_len)
-
-
-def _die_with_parent() -> None:
-    """A worker gets SIGTERM when the router dies, even by SIGKILL (Linux)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:  # not Linux: the executor's own shutdown still stops them
-        pass
 
 
 class PromptPool:

@@ -31,6 +31,7 @@ from typing import Iterator, Optional
 import httpx
 import pytest
 
+from tandem.services.common.parent_death import die_with_parent
 from tests.support.ports import free_port
 
 START_TIMEOUT_S = float(os.environ.get("TANDEM_TEST_STACK_TIMEOUT", "300"))
@@ -77,8 +78,11 @@ class TandemStack:
                 "--store", o.store, "--state-file", self.state_file, "--log-dir", self.dir,
                 *_EXIT_FLAGS[o.when_child_exits], *o.extra_args]
         self._launcher_log = open(os.path.join(self.dir, "launcher.log"), "wb")
+        # The launcher gets SIGTERM if this process dies (a test worker the OOM
+        # killer took), and stops its stack; left running, it held gigabytes.
         self.launcher = subprocess.Popen(argv, stdout=self._launcher_log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=dict(os.environ, **dict(o.env)))
+                                         stdin=subprocess.DEVNULL, env=dict(os.environ, **dict(o.env)),
+                                         preexec_fn=die_with_parent)
         deadline = time.monotonic() + START_TIMEOUT_S
         while not os.path.exists(self.state_file):
             if self.launcher.poll() is not None:
