@@ -39,7 +39,6 @@ def chat(**overrides) -> dict:
     return body
 
 
-@pytest.mark.serial  # times a stream's gaps to 250 ms: another worker's load would blur them
 def test_a_4mb_prompt_being_tokenized_does_not_stall_another_stream(tandem_stack):
     # Encoded up front: json.dumps of 4 MB holds this process's GIL, which
     # would stall the loop that times the stream.
