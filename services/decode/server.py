@@ -17,7 +17,6 @@ import grpc
 from tandem.services.common.config import run_main
 from tandem.services.common.engine_metrics import EngineMetrics
 from tandem.services.common.engine_process import add_engine_role_arguments, run_engine_service
-from tandem.services.common.kv_handle import handle_from_proto, store_write_from_proto
 from tandem.services.common.proto_convert import logprob_to_proto, sampling_params_from_proto
 from tandem.services.common.role_servicer import Admission, EngineServicer
 from tandem.v1 import decode_pb2, decode_pb2_grpc
@@ -36,6 +35,8 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
         if not request.prompt_token_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "prompt_token_ids: must contain at least one token")
+        from tandem.services.common.kv_handle import handle_from_proto, store_write_from_proto  # torch: when serving
+
         kv_transfer_params = None
         if request.HasField("kv_handle"):
             try:

@@ -20,7 +20,6 @@ import grpc
 from tandem.services.common.config import run_main
 from tandem.services.common.engine_metrics import EngineMetrics
 from tandem.services.common.engine_process import add_engine_role_arguments, run_engine_service
-from tandem.services.common.kv_handle import handle_to_proto, store_write_to_proto
 from tandem.services.common.proto_convert import logprob_to_proto, sampling_params_from_proto
 from tandem.services.common.role_servicer import Admission, EngineServicer
 from tandem.v1 import prefill_pb2, prefill_pb2_grpc
@@ -68,6 +67,8 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
         reply.num_prompt_tokens = last.num_prompt_tokens
         reply.num_cached_tokens = last.num_cached_tokens
         reply.num_external_tokens = last.num_external_tokens
+        from tandem.services.common.kv_handle import handle_to_proto, store_write_to_proto  # torch: when serving
+
         handle = handle_to_proto(last.kv_transfer_params)
         if handle is not None:
             reply.kv_handle.CopyFrom(handle)
