@@ -26,19 +26,8 @@ install: $(STAMP)
 up: install
 	$(VENV)/bin/tandem up $(ARGS)
 
-# Two passes. First everything but the `serial` tests in $(TEST_WORKERS) worker
-# processes; --dist loadscope keeps a module's tests in one worker, so a stack
-# a module starts once is started once. Then the `serial` tests alone: they time
-# things another worker's load would disturb. Exit status 5 (nothing selected,
-# as when PYTEST_ARGS names one file) fails only when both passes select nothing.
-TEST_WORKERS ?= 2
-
 test: install
-	@$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope -m "not serial" $(PYTEST_ARGS); first=$$?; \
-	$(PY) -m pytest -q -m serial $(PYTEST_ARGS); second=$$?; \
-	if [ $$first = 5 ] && [ $$second = 5 ]; then exit 5; fi; \
-	[ $$first = 5 ] && first=0; [ $$second = 5 ] && second=0; \
-	exit $$(( first > second ? first : second ))
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info protos/tandem/v1/*_pb2*.py protos/tandem/v1/*_pb2.pyi

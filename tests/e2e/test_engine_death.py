@@ -20,8 +20,7 @@ from tandem.services.common.grpc_server import make_channel
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from tests.support.stack import StackOptions, TandemStack
 
-# serial: the router must see the death within two health intervals.
-pytestmark = [pytest.mark.e2e, pytest.mark.serial, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 HEALTH_INTERVAL_S = 1.0  # the router's --health-interval default
 OPTIONS = StackOptions(prefill=1, decode=2, private=True, when_child_exits="restart",

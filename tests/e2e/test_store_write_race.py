@@ -16,8 +16,7 @@ import pytest
 
 from tests.support.stack import StackOptions, TandemStack
 
-# serial: the prefill must answer within the store's put delay.
-pytestmark = [pytest.mark.e2e, pytest.mark.serial, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 BLOCK = 16
 PUT_DELAY_S = 1.5

@@ -57,7 +57,6 @@ def test_sendall_sends_every_byte_when_the_buffer_fills(pair):
     assert bytes(got) == data
 
 
-@pytest.mark.serial  # a busy worker beside it could delay a read as much as the GIL does
 def test_a_call_that_cannot_block_keeps_the_gil(pair):
     """Beside a thread that always wants the GIL, a plain recv of a byte that
     has already come often waits for the GIL after the call, up to a switch
