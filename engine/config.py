@@ -255,7 +255,8 @@ class EngineArgs:
         0.9, "share of the GPU this engine may use, weights and KV cache together (two engines "
         "on one GPU: 0.45 each)", group=_CACHE)
     cpu_kv_cache_gib: float = flag_field(
-        1.0, "GiB of KV cache on the CPU when --num-blocks is unset", group=_CACHE)
+        1.0, "GiB of KV cache on the CPU when --num-blocks is unset (resident as blocks are first "
+        "written, not all at start)", group=_CACHE)
     enable_prefix_caching: bool = flag_field(
         True, "turn off the local prefix cache", flag="--no-prefix-caching", negated=True, group=_CACHE)
     swap_space: float = flag_field(
