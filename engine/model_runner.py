@@ -71,8 +71,8 @@ def zeroed_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     """A zeroed KV cache. On the CPU its memory is an anonymous mapping, whose
     pages the kernel hands out zeroed when first written: the process takes
     memory for the blocks it has used, not for all of them at start (torch.zeros
-    writes every page, 1 GiB for the default --cpu-kv-cache-gib). A test stack
-    of two engines started at 3.7 GB resident for a few short prompts."""
+    writes every page, 1 GiB for the default --cpu-kv-cache-gib): the two
+    engines of a test stack held 3.7 GB for a few short prompts."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize

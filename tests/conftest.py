@@ -24,8 +24,8 @@ def pytest_runtest_teardown(item, nextitem):
     that grew this process by COLLECT_AFTER_GROWTH_BYTES. An engine (LLM) lives
     in reference cycles, so it outlived its test or module until the
     interpreter's next full collection, often many engines later: the process
-    running the suite held up to 16.8 GB, too much for two test workers beside
-    their stacks. Not after every test: a collection walks the whole heap
+    running the suite held up to 16.8 GB of a 24 GiB machine, beside the
+    stacks' engines. Not after every test: a collection walks the whole heap
     (0.2-0.3 s with an engine loaded), and most tests make no engine."""
     global _resident_after_collect
     result = yield

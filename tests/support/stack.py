@@ -78,8 +78,8 @@ class TandemStack:
                 "--store", o.store, "--state-file", self.state_file, "--log-dir", self.dir,
                 *_EXIT_FLAGS[o.when_child_exits], *o.extra_args]
         self._launcher_log = open(os.path.join(self.dir, "launcher.log"), "wb")
-        # The launcher gets SIGTERM if this process dies (a test worker the OOM
-        # killer took), and stops its stack; left running, it held gigabytes.
+        # The launcher gets SIGTERM if this process dies (say by the OOM killer)
+        # and stops its stack; a stack left running held gigabytes.
         self.launcher = subprocess.Popen(argv, stdout=self._launcher_log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=dict(os.environ, **dict(o.env)),
                                          preexec_fn=die_with_parent)
