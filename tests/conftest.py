@@ -2,20 +2,16 @@
 from __future__ import annotations
 
 import gc
-import os
 
 import pytest
+
+from tests.support.memory import resident_bytes
 
 # A test that leaves this process this much larger than after the last
 # collection has its garbage collected at once (an engine is about 1.5 GB).
 COLLECT_AFTER_GROWTH_BYTES = 2**30
 
 _resident_after_collect = 0
-
-
-def _resident_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 @pytest.hookimpl(wrapper=True)
@@ -30,7 +26,7 @@ def pytest_runtest_teardown(item, nextitem):
     global _resident_after_collect
     result = yield
     if (nextitem is None or nextitem.module is not item.module
-            or _resident_bytes() > _resident_after_collect + COLLECT_AFTER_GROWTH_BYTES):
+            or resident_bytes() > _resident_after_collect + COLLECT_AFTER_GROWTH_BYTES):
         gc.collect()
-        _resident_after_collect = _resident_bytes()
+        _resident_after_collect = resident_bytes()
     return result

@@ -2,27 +2,21 @@
 the blocks written, not for all of --cpu-kv-cache-gib at start."""
 from __future__ import annotations
 
-import os
-
 import torch
 
 from tandem.engine.model_runner import zeroed_kv_cache
+from tests.support.memory import resident_bytes
 
 MIB = 2**20
 
 
-def _resident_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def test_a_cpu_kv_cache_is_zero_and_resident_only_where_written():
     shape = (2, 4, 1024, 16, 64)  # (k/v, layers, blocks, tokens, head dim): 512 MiB of fp32
-    before = _resident_bytes()
+    before = resident_bytes()
     cache = zeroed_kv_cache(shape, torch.float32, torch.device("cpu"))
     assert cache.shape == shape and cache.dtype == torch.float32 and cache.is_contiguous()
     cache[:, :, 7] = 1.0  # one block of every layer: 256 KiB
-    assert _resident_bytes() - before < 32 * MIB  # torch.zeros: all 512 MiB
+    assert resident_bytes() - before < 32 * MIB  # torch.zeros: all 512 MiB
     assert float(cache[:, :, 7].sum()) == cache[:, :, 7].numel()
     assert not cache[:, :, :7].any() and not cache[:, :, 8:16].any()
 
