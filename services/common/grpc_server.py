@@ -206,10 +206,10 @@ def channel_credentials(tls: Optional[TLSConfig]) -> Optional[grpc.ChannelCreden
 
 def exit_after_shutdown(code: int) -> NoReturn:
     """End a server process whose graceful shutdown is done, without waiting at
-    interpreter exit for gRPC's worker threads. Once (CI, 2026-11-23) a KV store
-    stopped with SIGSTOP mid-call, then sent SIGTERM, logged that it was
-    stopping and did not exit within 10 s; a server told to stop must stop
-    within its --shutdown-timeout."""
+    interpreter exit for gRPC's worker threads: a server told to stop must stop
+    within its --shutdown-timeout. (The KV store that once, in CI on
+    2026-11-23, logged that it was stopping and never exited was stuck before
+    this point: its signal handler deadlocked, kvstore/server.py says how.)"""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

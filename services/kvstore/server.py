@@ -16,6 +16,7 @@ import re
 import signal
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
@@ -346,9 +347,14 @@ def serve(args: argparse.Namespace) -> int:
                                name="kvstore-watch", daemon=True)
     watcher.start()
 
+    received: list[str] = []
+
     def on_signal(signum, _frame) -> None:
-        log.info("%s received, stopping", signal.Signals(signum).name)
-        stop.set()
+        # Only a note. Python runs this handler in the main thread between
+        # bytecodes, possibly inside Event.wait holding the event's lock: a
+        # stop.set() here then waited on that lock forever (CI, 2026-11-23
+        # and 11-28: a store told to stop that never did).
+        received.append(signal.Signals(signum).name)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
@@ -356,8 +362,10 @@ def serve(args: argparse.Namespace) -> int:
         print(f"{ROLE} data channel on {args.host}:{data.port}", flush=True)
     # The launcher and tests wait for exactly this line.
     print(f"{ROLE} listening on {args.host}:{server.port}", flush=True)
-    while not stop.wait(0.5):  # short waits: the signal handler runs between them
-        pass
+    while not received:
+        time.sleep(0.2)  # short sleeps: the signal handler runs between them
+    log.info("%s received, stopping", received[0])
+    stop.set()
     server.stop(grace_s=args.shutdown_timeout)
     if data is not None:
         data.stop()
