@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,14 +30,20 @@ class StoreProcess:
             return f.read()[-4000:]
 
     def stop(self) -> Optional[int]:
-        """SIGTERM (SIGKILL after 10 s), wait, remove the log; returns the exit code."""
+        """SIGTERM, wait, remove the log; returns the exit code. A store still
+        running after 10 s gets SIGABRT, on which it writes every thread's stack
+        into its log (the tail log() keeps), then SIGKILL."""
         if self.process.poll() is None:
             self.process.terminate()
             try:
                 self.process.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+                self.process.send_signal(signal.SIGABRT)
+                try:
+                    self.process.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+                    self.process.wait()
         if self.final_log is None:
             self.final_log = self.log()
             os.unlink(self.log_path)
@@ -50,7 +57,9 @@ def start_store(*flags: str, timeout_s: float = 30.0) -> StoreProcess:
     data = [] if "--data-port" in flags else ["--data-port", "0"]  # stores of parallel tests must not collide
     argv = [sys.executable, "-m", "tandem.services.kvstore.server", "--host", "127.0.0.1",
             "--port", "0", *data, *flags]
-    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    # PYTHONFAULTHANDLER: SIGABRT dumps the stacks, for a store that will not stop.
+    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                               env={**os.environ, "PYTHONFAULTHANDLER": "1"})
     store = StoreProcess(process, 0, log.name)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
