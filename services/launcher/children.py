@@ -24,7 +24,7 @@ class Child:
     argv: list[str]
     log_path: str
     metrics_port: Optional[int] = None
-    address: Optional[str] = None  # host:port, known once it listens
+    address: Optional[str] = None  # host:port: planned (engines, store), or read from the listening line
     pid: Optional[int] = None
     env: dict[str, str] = field(default_factory=dict)  # on top of the launcher's environment
     # Variables of the launcher's environment the child does not inherit (the

@@ -69,11 +69,12 @@ def plan_stack(args: argparse.Namespace, log_dir: str) -> tuple[Child, list[Chil
 
     def child(role: str, index: Optional[int], extra: list[str], grpc_port: int = 0) -> Child:
         name = role if index is None else f"{role}-{index}"
-        metrics_port = port()
+        metrics_port, listen_port = port(), port(grpc_port)
+        # The address is known before the child listens: the router is given it at once.
         return Child(name=name, role=role, log_path=os.path.join(log_dir, f"{name}.log"),
-                     metrics_port=metrics_port,
+                     metrics_port=metrics_port, address=f"{host}:{listen_port}",
                      argv=[*py, f"tandem.services.{role}.server", "--host", host,
-                           "--port", str(port(grpc_port)), "--metrics-port", str(metrics_port), *extra])
+                           "--port", str(listen_port), "--metrics-port", str(metrics_port), *extra])
 
     tls_flags: list[str] = []
     for flag in ("tls_cert", "tls_key", "tls_ca"):

@@ -1,8 +1,9 @@
 """`tandem up`: the whole stack on one machine.
 
-It starts the KV store (unless --kv-transfer direct), N prefill and M decode
-instances and the router as child processes on loopback, each waited for
-until it prints its `ROLE listening on HOST:PORT` line, then supervises them
+It starts the KV store (unless --kv-transfer direct or nixl), N prefill and M
+decode instances and the router as child processes on loopback, all at once,
+waits until each has printed its `ROLE listening on HOST:PORT` line and the
+router counts every engine healthy, then supervises them
 (supervisor.py). SIGINT/SIGTERM stops all children (terminate, wait, kill
 after a deadline). A child that fails at the first start brings the stack
 down with the tail of its log.
@@ -16,11 +17,13 @@ import re
 import signal
 import sys
 import tempfile
+import time
 
 from tandem.engine.config import DEFAULT_MODEL, ConfigError, EngineArgs
 from tandem.services.common.config import add_flag, config_error
 from tandem.services.common.grpc_server import add_tls_arguments, why_unbindable
-from tandem.services.launcher.children import Child, start_child, stop_children, wait_listening
+from tandem.services.launcher.children import (Child, exit_text, log_tail, start_child, stop_children,
+                                               wait_listening)
 from tandem.services.launcher.plan import (LAUNCHER_DECIDES, UP_KV_TRANSFERS, gpu_ids, gpu_slices,
                                            plan_stack, role_engine_args)
 from tandem.services.launcher.supervisor import (RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S, START_TRIES,
@@ -52,6 +55,29 @@ def _router_model_id(address: str) -> str:
         return DEFAULT_MODEL
 
 
+def wait_router_sees_every_engine(router: Child, timeout_s: float) -> None:
+    """Until the router's /health counts every engine healthy: the stack is up
+    when a request goes through prefill and decode, not only when each process
+    listens (the router checks its engines once a --health-interval)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    counts: dict = {}
+    while time.monotonic() < deadline:
+        if router.process.poll() is not None:
+            raise RuntimeError(f"router {exit_text(router.process.returncode)} while starting; last "
+                               f"lines of {router.log_path}:\n{log_tail(router)}")
+        try:
+            counts = httpx.get(f"http://{router.address}/health", timeout=5).json()["instances"]
+            if all(c["healthy"] == c["total"] for c in counts.values()):
+                return
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"the router did not see every engine healthy within {timeout_s:.0f}s "
+                       f"({counts}); see the logs in {os.path.dirname(router.log_path)}")
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     def progress(msg: str) -> None:
         print(f"[tandem up] {msg}", file=sys.stderr, flush=True)
@@ -73,32 +99,30 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
 
     kvstore, prefills, decodes, router_flags = plan_stack(args, log_dir)
-    children: list[Child] = []
+    router = Child(
+        name="router", role="router", log_path=os.path.join(log_dir, "router.log"),
+        argv=[sys.executable, "-m", "tandem.services.router.server", "--host", args.host,
+              "--prefill", ",".join(c.address for c in prefills),
+              "--decode", ",".join(c.address for c in decodes), *router_flags])
+    if args.api_key:
+        # Through the environment, not argv: keys must not show up in `ps`.
+        os.environ["TANDEM_API_KEY"] = ",".join(args.api_key)
+    # Every child at once: every port is fixed in advance, engines reach the
+    # store when they first need it and the router waits for its engines, so
+    # none has to wait for another to listen. Started one after the other, the
+    # router's and the store's seconds of start-up came on top of the engines'.
+    children = ([kvstore] if args.kv_transfer == "store" else []) + prefills + decodes + [router]
     try:
         if args.kv_transfer == "store":
             progress(f"starting kvstore ({args.store}); logs in {log_dir}")
-            children.append(kvstore)
-            start_child(kvstore)
-            wait_listening([kvstore], args.startup_timeout, progress)
         else:
             progress(f"{args.kv_transfer} KV transfer between prefill and decode, no KV store; logs in {log_dir}")
-        for c in prefills + decodes:
-            children.append(c)
-            start_child(c)
-        progress(f"starting {len(prefills)} prefill and {len(decodes)} decode instance(s) "
+        progress(f"starting {len(prefills)} prefill and {len(decodes)} decode instance(s) and the router "
                  "(loading the model takes a while)")
-        wait_listening(prefills + decodes, args.startup_timeout, progress)
-        router = Child(
-            name="router", role="router", log_path=os.path.join(log_dir, "router.log"),
-            argv=[sys.executable, "-m", "tandem.services.router.server", "--host", args.host,
-                  "--prefill", ",".join(c.address for c in prefills),
-                  "--decode", ",".join(c.address for c in decodes), *router_flags])
-        if args.api_key:
-            # Through the environment, not argv: keys must not show up in `ps`.
-            os.environ["TANDEM_API_KEY"] = ",".join(args.api_key)
-        children.append(router)
-        start_child(router)
-        wait_listening([router], args.startup_timeout, progress)
+        for c in children:
+            start_child(c)
+        wait_listening(children, args.startup_timeout, progress)
+        wait_router_sees_every_engine(router, args.startup_timeout)
         grpc_address = _grpc_address(router)
 
         def save_state() -> None:

@@ -91,6 +91,10 @@ class TandemStack:
                 raise RuntimeError(f"tandem up not ready after {START_TIMEOUT_S}s:\n{self.launcher_log()}")
             time.sleep(0.2)
         self.refresh()
+        # `tandem up` calls the stack up once the router counts every engine
+        # healthy: a first request must go through prefill and decode alike.
+        instances = httpx.get(f"{self.http_url}/health", timeout=10).json()["instances"]
+        assert all(c["healthy"] == c["total"] for c in instances.values()), instances
         self.model = httpx.get(f"{self.http_url}/v1/models", timeout=10).json()["data"][0]["id"]
         return self
 
