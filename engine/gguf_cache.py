@@ -1,10 +1,10 @@
 """A GGUF file converted once into a HF folder (config.json, tokenizer files,
 model.safetensors) under the user's cache directory.
 
-Reading a GGUF through transformers parses the whole file for the config,
-again for the tokenizer, and de-quantizes every tensor: about 35 s on a
-2-core CPU, paid by each process of the stack (router, prefill, decode) at
-every start. The converted folder loads in a few seconds. The cache key is the
+Reading a GGUF through transformers parses the file and de-quantizes every
+tensor: about 15 s of a core on dev even when the file is parsed once
+(loader.gguf_parsed_once; 40 s before), which every process of the stack
+would pay at every start. The converted folder loads in a few seconds. The cache key is the
 file's real path, size and modification time, so a changed file is converted
 again; a cache that cannot be written (read-only home) only costs the slow
 path, never a failure.
@@ -14,6 +14,7 @@ TANDEM_CACHE_DIR moves the cache (default: $XDG_CACHE_HOME/tandem or
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -79,9 +80,13 @@ def cached_hf_folder(gguf_path: str, read_config: Callable[[], Any], read_tokeni
     """The converted folder for `gguf_path`, building it on first use; None when
     the cache is off or cannot be written (the caller reads the GGUF itself).
 
-    Several processes may build it at once (the stack starts them together):
-    each writes a private temporary folder and renames it into place; the
-    first rename wins and the others discard theirs.
+    Several processes ask at once (the stack starts them together): one
+    builds, holding a lock on FOLDER.lock, and the others wait for it and
+    load its folder; a conversion is half a minute of a core, and each of
+    them doing its own costs every core but one for nothing.
+    The builder writes a private temporary folder and renames it into place,
+    so a builder that dies leaves nothing half-written (and its lock goes
+    with it).
     """
     if not enabled():
         return None
@@ -94,20 +99,33 @@ def cached_hf_folder(gguf_path: str, read_config: Callable[[], Any], read_tokeni
     parent = os.path.dirname(folder)
     try:
         os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".building-", dir=parent)
+        lock = open(folder + ".lock", "w")
     except OSError as exc:
         log.warning("cannot write the model cache under %s (%s); reading the GGUF file directly", parent, exc)
+        return None
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process converting %s into %s", gguf_path, folder)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(os.path.join(folder, COMPLETE_MARKER)):
+            return folder
+        return _build(gguf_path, folder, read_config, read_tokenizer, read_state)
+
+
+def _build(gguf_path: str, folder: str, read_config: Callable[[], Any], read_tokenizer: Callable[[], Any],
+           read_state: Callable[[], dict[str, torch.Tensor]]) -> Optional[str]:
+    try:
+        tmp = tempfile.mkdtemp(prefix=".building-", dir=os.path.dirname(folder))
+    except OSError as exc:
+        log.warning("cannot write the model cache %s (%s); reading the GGUF file directly", folder, exc)
         return None
     try:
         log.info("converting %s into %s (once; later starts load the folder)", gguf_path, folder)
         _write_folder(tmp, read_config(), read_tokenizer(), read_state())
         open(os.path.join(tmp, COMPLETE_MARKER), "w").close()
-        try:
-            os.rename(tmp, folder)
-        except OSError:
-            if not os.path.exists(os.path.join(folder, COMPLETE_MARKER)):
-                raise
-            # another process finished first; its folder is as good as ours
+        os.rename(tmp, folder)
     except OSError as exc:
         log.warning("cannot write the model cache %s (%s); reading the GGUF file directly", folder, exc)
         return None

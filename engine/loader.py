@@ -14,6 +14,7 @@ PreTrainedTokenizerFast on a folder with tokenizer.json does not.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import importlib.util
@@ -23,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from tandem.engine import hub
 from tandem.engine.config import DEFAULT_MODEL
@@ -145,9 +146,39 @@ def _gguf_as_folder(path: str) -> Optional[str]:
     gguf_cache), or None when the cache is off or unwritable."""
     from tandem.engine import gguf_cache
 
-    return gguf_cache.cached_hf_folder(
-        path, read_config=lambda: _hf_config("gguf", path), read_tokenizer=lambda: _tokenizer("gguf", path),
-        read_state=lambda: gguf_state_dict(path))
+    with gguf_parsed_once():
+        return gguf_cache.cached_hf_folder(
+            path, read_config=lambda: _hf_config("gguf", path), read_tokenizer=lambda: _tokenizer("gguf", path),
+            read_state=lambda: gguf_state_dict(path))
+
+
+@contextlib.contextmanager
+def gguf_parsed_once() -> Iterator[None]:
+    """While open, transformers' GGUF reading parses each file once and builds
+    gguf's tensor-name map once per architecture. Reading the config, the
+    tokenizer and the weights each parses the whole file again (9 s apiece on
+    a 2-core CPU for SmolLM2's 49k-token vocabulary, in gguf's reader), and
+    mapping the weights' names rebuilt the same name map for every one of the
+    model's 397 modules (12 s). transformers imports both from `gguf` when it
+    reads, so they are swapped there for the duration: one thread, read-only
+    files (the reader maps the file read-only; the map is never modified)."""
+    import gguf
+
+    real_reader, real_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], Any] = {}
+
+    def shared_reader(path, mode: str = "r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = real_reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = shared_reader
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(real_name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_name_map
 
 
 def _readable(kind: str, path: Optional[str]) -> tuple[str, Optional[str]]:
@@ -262,7 +293,8 @@ def gguf_state_dict(path: str) -> dict[str, torch.Tensor]:
     # the meta device gives it the names without allocating anything.
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(_hf_config("gguf", path))
-    loaded = load_gguf_checkpoint(path, return_tensors=True, model_to_load=skeleton)
+    with gguf_parsed_once():
+        loaded = load_gguf_checkpoint(path, return_tensors=True, model_to_load=skeleton)
     return {k: torch.as_tensor(v) for k, v in loaded["tensors"].items()}
 
 

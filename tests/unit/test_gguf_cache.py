@@ -89,3 +89,71 @@ def test_a_changed_file_gets_a_new_folder(tmp_path, monkeypatch):
     before = gguf_cache.cache_folder(str(f))
     os.utime(f, ns=(0, 1_000_000_000))
     assert gguf_cache.cache_folder(str(f)) != before
+
+
+class _FakeConfig:
+    def save_pretrained(self, folder: str) -> None:
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            f.write("{}")
+
+
+def _convert_counting(gguf_path: str, cache_dir: str, log_path: str, results) -> None:
+    """One process of the stack asking for the folder; its conversion takes a
+    second and leaves a line in log_path."""
+    import time
+
+    os.environ["TANDEM_CACHE_DIR"] = cache_dir
+
+    def read_state() -> dict:
+        with open(log_path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        time.sleep(1.0)
+        return {"w": torch.zeros(2)}
+
+    results.put(gguf_cache.cached_hf_folder(gguf_path, _FakeConfig, lambda: None, read_state))
+
+
+def test_processes_asking_at_once_convert_once(tmp_path):
+    import multiprocessing
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"x")
+    log_path = tmp_path / "conversions"
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_convert_counting, args=(str(gguf), str(tmp_path / "cache"), str(log_path), results))
+             for _ in range(2)]
+    for p in procs:
+        p.start()
+    folders = [results.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    assert len(log_path.read_text().split()) == 1, "each process converted the file"
+    assert folders[0] is not None and len(set(folders)) == 1
+    assert os.path.exists(os.path.join(folders[0], gguf_cache.COMPLETE_MARKER))
+
+
+def test_gguf_parsed_once_shares_the_reader_and_the_name_map(tmp_path):
+    """Inside gguf_parsed_once, what transformers asks gguf for twice is made
+    once: the file's reader and the tensor-name map (each cost seconds per
+    request); outside, gguf is as it was."""
+    import gguf
+
+    path = str(tmp_path / "tiny.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 2).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    real_reader = gguf.GGUFReader
+    with loader.gguf_parsed_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(path) is first
+        assert first.get_tensor(0).name == "token_embd.weight"
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+    assert gguf.GGUFReader is real_reader
+    assert gguf.GGUFReader(path) is not first
