@@ -4,10 +4,10 @@ model.safetensors) under the user's cache directory.
 Reading a GGUF through transformers parses the file and de-quantizes every
 tensor: about 15 s of a core on dev even when the file is parsed once
 (loader.gguf_parsed_once; 40 s before), which every process of the stack
-would pay at every start. The converted folder loads in a few seconds. The cache key is the
-file's real path, size and modification time, so a changed file is converted
-again; a cache that cannot be written (read-only home) only costs the slow
-path, never a failure.
+would pay at every start. The converted folder loads in a few seconds. The
+cache key is the file's real path, size and modification time, so a changed
+file is converted again; a cache that cannot be written (read-only home)
+only costs the slow path, never a failure.
 
 TANDEM_CACHE_DIR moves the cache (default: $XDG_CACHE_HOME/tandem or
 ~/.cache/tandem); TANDEM_GGUF_CACHE=0 turns it off.

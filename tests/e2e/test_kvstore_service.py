@@ -190,8 +190,8 @@ def test_sigterm_just_as_paused_stores_resume_stops_them():
     the event's lock. A SIGTERM then runs its handler in the main thread just
     as that thread takes the lock, and a handler that set the event deadlocked:
     a store told to stop that never did (CI, twice). The race is narrow (the
-    old handler lost it in about one run in three of this test), so eight
-    stores try it at once."""
+    old handler lost it in 2 of 9 runs of this test), so eight stores try it
+    at once."""
     stores = [start_store() for _ in range(STORES_PAUSED_AND_STOPPED)]
     try:
         for proc in stores:
