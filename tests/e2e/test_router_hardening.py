@@ -58,7 +58,9 @@ def test_a_4mb_prompt_being_tokenized_does_not_stall_another_stream(tandem_stack
         async with httpx.AsyncClient(timeout=120) as c:
             # logprobs: one chunk per token, so every gap is one decode step
             # (without them a token with no new text sends no chunk).
-            body = chat(max_tokens=200, ignore_eos=True, temperature=0, logprobs=True, stream=True)
+            # Long enough to outlast the big prompt on a busy machine (it took
+            # over 14 s beside the suite's other lane); left once it is through.
+            body = chat(max_tokens=2000, ignore_eos=True, temperature=0, logprobs=True, stream=True)
             async with c.stream("POST", f"{tandem_stack.base_url}/chat/completions", json=body) as r:
                 assert r.status_code == 200
                 async for line in r.aiter_lines():
@@ -66,6 +68,8 @@ def test_a_4mb_prompt_being_tokenized_does_not_stall_another_stream(tandem_stack
                         marks.append(time.monotonic())
                         if len(marks) == 5:  # streaming at its pace: now the big body
                             sender = asyncio.create_task(asyncio.to_thread(send_big))
+                        if "end" in window and marks[-1] > window["end"]:
+                            break
         await sender
 
     asyncio.run(run())
