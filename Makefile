@@ -26,8 +26,10 @@ install: $(STAMP)
 up: install
 	$(VENV)/bin/tandem up $(ARGS)
 
+# Two pytest processes at once, unit and end-to-end (tests/lanes.py says why);
+# PYTEST_ARGS naming test files run them in one plain pytest process.
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m tests.lanes -q $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info protos/tandem/v1/*_pb2*.py protos/tandem/v1/*_pb2.pyi

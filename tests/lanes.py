@@ -1,0 +1,97 @@
+"""Run the suite as two pytest processes at once: the engine and unit tests in
+one, the end-to-end stacks in the other (`make test`; `python -m tests.lanes
+--help`).
+
+Why two: on a 2-core machine one pytest process keeps the CPUs about 60%
+busy, because an end-to-end test spends much of its time waiting on the
+processes of its stack (starting, streaming, being killed). The unit tests
+are the opposite: one process computing. Side by side they fill the gaps.
+Two lanes rather than pytest-xdist's workers: xdist hands any test to any
+worker, so two workers could each hold an engine-heavy unit module and a
+stack at once, which does not fit in 24 GiB (docs/benchmarks.md, "CI time");
+a lane holds at most one of each kind.
+
+Each lane's lines are printed as they come, prefixed with its name; the exit
+status is the first failing lane's, else 0. Arguments naming test files or
+folders run one plain pytest process with them instead.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class Lane:
+    name: str
+    paths: tuple[str, ...]
+
+
+LANES = (Lane("e2e", ("tests/e2e",)), Lane("unit", ("tests/unit", "tests/gpu")))
+
+
+def names_tests(arg: str) -> bool:
+    """Whether a pytest argument selects tests by path (tests/x.py::name)."""
+    return not arg.startswith("-") and os.path.exists(os.path.join(ROOT, arg.split("::")[0]))
+
+
+def _forward(lane: Lane, width: int, stream, lock: threading.Lock) -> None:
+    for line in iter(stream.readline, ""):
+        with lock:
+            sys.stdout.write(f"[{lane.name:>{width}}] {line}")
+            sys.stdout.flush()
+
+
+def run_lanes(lanes: tuple[Lane, ...], pytest_args: list[str]) -> int:
+    lock = threading.Lock()
+    width = max(len(lane.name) for lane in lanes)
+    procs: list[tuple[Lane, subprocess.Popen, threading.Thread, float]] = []
+    for lane in lanes:
+        proc = subprocess.Popen([sys.executable, "-m", "pytest", *lane.paths, *pytest_args], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        reader = threading.Thread(target=_forward, args=(lane, width, proc.stdout, lock), daemon=True)
+        reader.start()
+        procs.append((lane, proc, reader, time.monotonic()))
+
+    def stop(signum, _frame):  # Ctrl-C or a CI timeout: both lanes stop, not one
+        for _, proc, _, _ in procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    codes = []
+    summary = []
+    for lane, proc, reader, started in procs:
+        code = proc.wait()
+        reader.join()
+        codes.append(code)
+        summary.append(f"lane {lane.name} ({' '.join(lane.paths)}): exit {code}, "
+                       f"{time.monotonic() - started:.0f} s")
+    print("\n".join(summary), flush=True)
+    return next((c for c in codes if c != 0), 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.lanes",
+        description="Run the test suite as two pytest processes at once (" +
+                    "; ".join(f"{l.name}: {' '.join(l.paths)}" for l in LANES) +
+                    "). Any other arguments go to both pytest processes; if one names a test "
+                    "file or folder, a single pytest process runs them instead.")
+    _, rest = parser.parse_known_args(argv)
+    if any(names_tests(a) for a in rest):
+        return subprocess.call([sys.executable, "-m", "pytest", *rest], cwd=ROOT)
+    return run_lanes(LANES, rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""`make test`'s runner (tests/lanes.py): both lanes run, each line says its
+lane, and a failure in either fails the run. Real pytest processes on two
+throwaway test folders."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.lanes import ROOT, Lane, names_tests, run_lanes
+
+
+def write_lane(folder, name: str, body: str) -> str:
+    folder.mkdir()
+    (folder / f"test_{name}.py").write_text(body)
+    return str(folder)
+
+
+def test_a_failure_in_one_lane_fails_the_run_and_the_other_lane_still_runs(tmp_path, capfd):
+    ok = write_lane(tmp_path / "ok", "ok", "def test_fine():\n    assert True\n")
+    bad = write_lane(tmp_path / "bad", "bad", "def test_broken():\n    assert 1 == 2\n")
+    code = run_lanes((Lane("good", (ok,)), Lane("bad", (bad,))), ["-q", "-p", "no:cacheprovider"])
+    out = capfd.readouterr().out
+    assert code == 1
+    assert "[good] 1 passed" in out
+    assert "[ bad] FAILED" in out and "1 failed" in out
+    assert "lane good" in out and "exit 0" in out and "lane bad" in out and "exit 1" in out
+
+
+def test_both_lanes_passing_is_a_pass(tmp_path, capfd):
+    one = write_lane(tmp_path / "one", "one", "def test_a():\n    pass\n")
+    two = write_lane(tmp_path / "two", "two", "def test_b():\n    pass\n")
+    assert run_lanes((Lane("one", (one,)), Lane("two", (two,))), ["-q", "-p", "no:cacheprovider"]) == 0
+
+
+def test_arguments_naming_tests_run_one_pytest_process():
+    assert names_tests("tests/unit/test_lanes.py::test_both_lanes_passing_is_a_pass")
+    assert names_tests("tests/e2e")
+    assert not names_tests("-q") and not names_tests("e2e") and not names_tests("--durations=0")
+    out = subprocess.run([sys.executable, "-m", "tests.lanes", "tests/unit/test_lanes.py",
+                          "-k", "naming_tests_run_one or nothing_else", "-q", "-p", "no:cacheprovider",
+                          "--collect-only"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "test_lanes.py::test_arguments_naming_tests_run_one_pytest_process" in out.stdout
+    assert "[" not in out.stdout and "lane " not in out.stdout  # one plain process, no lanes
