@@ -237,8 +237,9 @@ class EngineArgs:
     quantization: Optional[Literal["fp8"]] = flag_field(
         None, "fp8: the decoder's linear layers in FP8 (e4m3 weights, a scale per output channel, "
         "activations quantized per token except in steps of one token), quantized from the checkpoint at "
-        "load; needs a GPU of compute capability 8.9+ (Hopper, Ada), runs as a dequantizing twin on the CPU; not for "
-        "MoE models yet. Unset: the checkpoint's own (a HF FP8 checkpoint loads as FP8), else --dtype",
+        "load (MoE models: each expert's weights, activations unquantized; routers stay); needs a GPU of compute "
+        "capability 8.9+ (Hopper, Ada), runs as a dequantizing twin on the CPU. Unset: the checkpoint's own "
+        "(a HF FP8 checkpoint loads as FP8), else --dtype",
         group=_MODEL)
     seed: int = internal_field(
         0, why="seeds dummy weights: the prefill and decode engines of one stack must hold the same "

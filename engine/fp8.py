@@ -17,8 +17,10 @@ Two ways in, one form in memory:
 
 Every form ends as Fp8Linear's per-channel scales, so fused projections
 (q/k/v, gate/up) concatenate scales as they concatenate rows.
-Mixture-of-experts models are refused: their experts run in the fused MoE
-kernel, which has no FP8 path yet.
+Mixture-of-experts models get the same for their experts: the stacked expert
+tensors (models/moe.py) become e4m3 with a scale per expert and output
+channel, and the fused MoE kernel reads them (kernels/fused_moe_triton.py);
+the router stays in the model dtype, as in the Hub's FP8 MoE checkpoints.
 """
 from __future__ import annotations
 
@@ -143,13 +145,6 @@ def effective_quantization(hf_config: Any, requested: Optional[str], device: tor
     if method is None:
         return None
     flag = "--quantization fp8" if requested else "--model (an FP8 checkpoint)"
-    from tandem.engine.models.moe import MOE_MODEL_TYPES
-
-    model_type = getattr(hf_config, "model_type", "")
-    if model_type in MOE_MODEL_TYPES:
-        raise QuantizationError(
-            f"{flag}: FP8 is not built for mixture-of-experts models ({model_type}): their experts run in the "
-            f"fused MoE kernel, which has no FP8 path yet; serve the bf16 checkpoint")
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         major, minor = torch.cuda.get_device_capability(device)
         raise QuantizationError(
@@ -195,11 +190,15 @@ def normalize_checkpoint(state: dict[str, torch.Tensor], block: tuple[int, int])
 
 def replace_linears(model: nn.Module, make: Any, only: Optional[set[str]] = None) -> int:
     """Replace the nn.Linear modules of the decoder blocks (named as in the
-    model: model.layers.N.self_attn.q_proj) with make(linear); only: just
-    these names. Returns how many were replaced."""
+    model: model.layers.N.self_attn.q_proj) with make(linear), but MoE
+    routers; only: just these names. Returns how many were replaced."""
+    from tandem.engine.models.moe import SparseMoeBlock
+
+    # A router's logits pick the experts: rounding them would change which run.
+    routers = {f"{name}.gate" for name, m in model.named_modules() if isinstance(m, SparseMoeBlock)}
     count = 0
     for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear) or not name.startswith("model.layers."):
+        if not isinstance(module, nn.Linear) or not name.startswith("model.layers.") or name in routers:
             continue
         if only is not None and name not in only:
             continue
@@ -209,11 +208,51 @@ def replace_linears(model: nn.Module, make: Any, only: Optional[set[str]] = None
     return count
 
 
+def _experts(model: nn.Module) -> list[nn.Module]:
+    from tandem.engine.models.moe import Experts
+
+    return [m for m in model.modules() if isinstance(m, Experts)]
+
+
+def _set_fp8_experts(experts: nn.Module, weights: dict[str, torch.Tensor], scales: dict[str, torch.Tensor]) -> None:
+    for name in ("gate_up_proj", "down_proj"):
+        setattr(experts, name, nn.Parameter(weights[name], requires_grad=False))
+        setattr(experts, name + "_scale", nn.Parameter(scales[name], requires_grad=False))
+
+
+def quantize_experts(experts: nn.Module) -> None:
+    """One MoE layer's stacked experts [E, N, K] to e4m3 with fp32 scales
+    [E, N]: each expert's output channels as quantize_weight does a layer's."""
+    weights, scales = {}, {}
+    with torch.no_grad():
+        for name in ("gate_up_proj", "down_proj"):
+            w = getattr(experts, name)
+            q, scale = quantize_weight(w.reshape(-1, w.shape[-1]))
+            weights[name], scales[name] = q.view(w.shape), scale.view(w.shape[:2])
+    _set_fp8_experts(experts, weights, scales)
+
+
+def fp8_expert_shells(model: nn.Module) -> int:
+    """Make every MoE layer's experts e4m3 (zeros) with scales for an FP8
+    checkpoint to fill; returns how many layers."""
+    layers = _experts(model)
+    for experts in layers:
+        weights = {n: torch.zeros_like(getattr(experts, n), dtype=FP8_DTYPE) for n in ("gate_up_proj", "down_proj")}
+        scales = {n: torch.ones(w.shape[:2], dtype=torch.float32, device=w.device) for n, w in weights.items()}
+        _set_fp8_experts(experts, weights, scales)
+    return len(layers)
+
+
 def quantize_model(model: nn.Module) -> int:
-    """Quantize every remaining bf16 linear layer of the decoder blocks."""
+    """Quantize every remaining bf16 linear layer of the decoder blocks, and
+    every MoE layer's experts."""
     count = replace_linears(model, Fp8Linear.quantized)
-    log.info("quantized %d linear layers to FP8 (e4m3, per-channel weight scales)", count)
-    return count
+    layers = [e for e in _experts(model) if e.gate_up_proj_scale is None]
+    for experts in layers:
+        quantize_experts(experts)
+    log.info("quantized %d linear layers%s to FP8 (e4m3, per-channel weight scales)", count,
+             f" and the experts of {len(layers)} MoE layers" if layers else "")
+    return count + len(layers)
 
 
 def fp8_linear_names(state: dict[str, torch.Tensor]) -> set[str]:
@@ -222,9 +261,10 @@ def fp8_linear_names(state: dict[str, torch.Tensor]) -> set[str]:
 
 
 def is_quantized(model: nn.Module) -> bool:
-    return any(isinstance(m, Fp8Linear) for m in model.modules())
+    return (any(isinstance(m, Fp8Linear) for m in model.modules())
+            or any(e.gate_up_proj_scale is not None for e in _experts(model)))
 
 
 __all__ = ["Fp8Linear", "QuantizationError", "QUANTIZATIONS", "checkpoint_quantization", "effective_quantization",
-           "fp8_linear_names", "is_quantized", "normalize_checkpoint", "quantize_model", "replace_linears",
-           "weight_block_size"]
+           "fp8_expert_shells", "fp8_linear_names", "is_quantized", "normalize_checkpoint", "quantize_experts",
+           "quantize_model", "replace_linears", "weight_block_size"]

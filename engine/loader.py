@@ -333,7 +333,10 @@ def load_weights(model: torch.nn.Module, source: ModelSource, config: Any, seed:
     if fp8.checkpoint_quantization(config) == "fp8":
         # e4m3 weights load into FP8 layers as they are, scales made per-channel.
         state = fp8.normalize_checkpoint(state, fp8.weight_block_size(config))
-        fp8.replace_linears(model, fp8.Fp8Linear.shell_of, only=fp8.fp8_linear_names(state))
+        e4m3 = fp8.fp8_linear_names(state)
+        fp8.replace_linears(model, fp8.Fp8Linear.shell_of, only=e4m3)
+        if any(".experts." in name for name in e4m3):
+            fp8.fp8_expert_shells(model)
     sources = {name: _checkpoint_source(name, p.shape, state) for name, p in model.named_parameters()}
     missing = [n for n, src in sources.items()
                if src is None and not (n == "lm_head.weight" and model.tie_word_embeddings)]

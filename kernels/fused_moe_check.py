@@ -1,7 +1,8 @@
 """Check the fused-MoE Triton kernels (fused_moe_triton.py) against their torch
 twin: several expert counts, top-k 1 and 2 (and 3: a sum of more than two),
 an expert that gets no row, one expert that gets every row, a single token
-and none; fp32 and bf16; widths that are not powers of two.
+and none; fp32 and bf16; widths that are not powers of two; and each of these
+with FP8 experts (e4m3 weights, a scale per expert and output channel).
 
     TRITON_INTERPRET=1 python -m tandem.kernels.fused_moe_check --device cpu   # CI, no GPU
     python -m tandem.kernels.fused_moe_check --device cuda                     # on a GPU
@@ -15,6 +16,7 @@ import sys
 import torch
 
 from tandem.kernels.check_runner import check_parser, relative_error, run_checks
+from tandem.kernels.fp8_torch import quantize_rows_torch
 from tandem.kernels.fused_moe_torch import fused_moe_torch
 from tandem.kernels.layer_ops_check import TOLERANCE
 
@@ -54,11 +56,19 @@ def routing(tokens: int, experts: int, top_k: int, kind: str, gen: torch.Generat
     return ids
 
 
+def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 [E, N, K] and fp32 scales [E, N]: each expert's output channels
+    quantized as engine/fp8.py quantizes them."""
+    q, scale = quantize_rows_torch(w.reshape(-1, w.shape[-1]))
+    return q.view(w.shape), scale.view(w.shape[:2])
+
+
 def cases(device: str):
     from tandem.kernels.fused_moe_triton import fused_moe_triton
 
     gen = torch.Generator().manual_seed(0)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, fp8 in ((torch.float32, False), (torch.bfloat16, False), (torch.float32, True),
+                       (torch.bfloat16, True)):
         for tokens, experts, top_k, hidden, inter, kind in SHAPES:
             x = torch.randn(tokens, hidden, generator=gen).to(dtype=dtype, device=device)
             w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5).to(dtype=dtype,
@@ -67,9 +77,14 @@ def cases(device: str):
             ids = routing(tokens, experts, top_k, kind, gen).to(device)
             weights = torch.rand(tokens, top_k, generator=gen)
             weights = (weights / weights.sum(-1, keepdim=True)).to(device)  # fp32, as Mixtral's router gives
-            name = f"fused_moe {dtype} T={tokens} E={experts} k={top_k} {hidden}x{inter} {kind}"
-            out = fused_moe_triton(x, w13, w2, weights, ids)
-            ref = fused_moe_torch(x, w13, w2, weights, ids)
+            scales = ()
+            if fp8:
+                (w13, w13_scale), (w2, w2_scale) = quantize_experts(w13), quantize_experts(w2)
+                scales = (w13_scale, w2_scale)
+            name = (f"fused_moe {dtype}{' fp8 experts' if fp8 else ''} T={tokens} E={experts} k={top_k} "
+                    f"{hidden}x{inter} {kind}")
+            out = fused_moe_triton(x, w13, w2, weights, ids, *scales)
+            ref = fused_moe_torch(x, w13, w2, weights, ids, *scales)
             if out.shape != ref.shape or out.dtype != ref.dtype:
                 yield name, (False, float("inf"))
             elif tokens == 0:

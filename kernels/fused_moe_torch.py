@@ -5,6 +5,14 @@ is scaled by the token's routing weight for it, and the k scaled outputs are
 summed. This is the reference the Triton kernel is checked against and the
 path on the CPU.
 
+FP8 experts (engine/fp8.py) come as e4m3 weights with one fp32 scale per
+expert and output channel: a projection is the activation times the e4m3
+values, summed in fp32, times the channel's scale, then rounded to the
+activation dtype, which is what the kernel computes (every e4m3 value and
+every product of one with a bf16 value is exact in fp32). The activations
+stay in the model dtype ("W8A16"): a decode step's experts see a few rows
+each, so FP8's gain there is the weight bytes read.
+
 It goes expert by expert, rounding to the activation dtype where HF
 transformers' eager experts round (the gate/up product, SiLU, its product
 with up, the down projection, the weighted output), so on the CPU greedy
@@ -12,18 +20,31 @@ output stays HF's token for token.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch.nn import functional as F
 
 from tandem.kernels.layer_ops_torch import silu_and_mul_torch
 
 
+def expert_linear(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [M, K] times one expert's weight [N, K]; with scale [N], the weight
+    is e4m3 and the product is scaled per channel in fp32 (module docstring)."""
+    if scale is None:
+        return F.linear(x, weight)
+    return ((x.float() @ weight.float().t()) * scale.float()).to(x.dtype)
+
+
 def fused_moe_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                    topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                    topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """hidden [T, H]; w13 [E, 2I, H] (each expert's gate rows, then its up
     rows); w2 [E, H, I]; topk_weights [T, k] (any float dtype: the product
     with an expert's output is taken in the wider of the two dtypes, then
     rounded, as HF does); topk_ids [T, k], distinct experts per token.
+    w13_scale [E, 2I] and w2_scale [E, H]: given for e4m3 experts, one fp32
+    scale per expert and output channel.
     Returns [T, H] in hidden's dtype."""
     out = torch.zeros_like(hidden)
     top_k = topk_ids.shape[1]
@@ -39,7 +60,9 @@ def fused_moe_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         rows = order[start:start + n]
         start += n
         tokens = rows // top_k
-        act = silu_and_mul_torch(F.linear(hidden[tokens], w13[expert]))
-        y = F.linear(act, w2[expert]) * flat_weights[rows, None]
+        gate_up = expert_linear(hidden[tokens], w13[expert], None if w13_scale is None else w13_scale[expert])
+        act = silu_and_mul_torch(gate_up)
+        down = expert_linear(act, w2[expert], None if w2_scale is None else w2_scale[expert])
+        y = down * flat_weights[rows, None]
         out.index_add_(0, tokens, y.to(out.dtype))
     return out

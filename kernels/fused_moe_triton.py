@@ -21,8 +21,15 @@ grid is sized for that bound, and tiles past the real end exit at once.
 
 Twin: fused_moe_torch.py. Rounding to the activation dtype happens where the
 twin (and HF transformers) rounds; accumulation is fp32.
+
+FP8 experts (e4m3 weights, an fp32 scale per expert and output channel): a
+tile's e4m3 weights are widened to the activation dtype (exact) on their way
+into the same products, and each accumulated column is scaled by its channel's
+scale before the rounding. Half the weight bytes; the same launches.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -67,11 +74,11 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int,
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, experts_ptr,
+def _gate_up_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, rows_ptr, experts_ptr,
                     num_rows, num_experts, top_k, hidden, inter,
-                    stride_x, stride_we, stride_wn, stride_out,
+                    stride_x, stride_we, stride_wn, stride_se, stride_out,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+                    FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
     tile = tl.program_id(0)
     expert = tl.load(experts_ptr + tile).to(tl.int64)
     if expert >= num_experts:
@@ -93,8 +100,15 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, experts_ptr,
         # [BLOCK_K, BLOCK_N] tiles of W^T: gate rows `cols`, up rows `inter + cols`
         b_gate = tl.load(w + cols[None, :] * stride_wn + ks[:, None], mask=b_mask, other=0.0)
         b_up = tl.load(w + (inter + cols)[None, :] * stride_wn + ks[:, None], mask=b_mask, other=0.0)
+        if FP8:
+            b_gate = b_gate.to(a.dtype)
+            b_up = b_up.to(a.dtype)
         acc_gate += mma(a, b_gate, DOT_PRECISION, DOT_UPCAST)
         acc_up += mma(a, b_up, DOT_PRECISION, DOT_UPCAST)
+    if FP8:
+        scales = scale_ptr + expert * stride_se
+        acc_gate *= tl.load(scales + cols, mask=col_ok, other=0.0)[None, :]
+        acc_up *= tl.load(scales + inter + cols, mask=col_ok, other=0.0)[None, :]
     dtype = out_ptr.dtype.element_ty
     gate = acc_gate.to(dtype).to(tl.float32)
     up = acc_up.to(dtype).to(tl.float32)
@@ -104,11 +118,11 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, experts_ptr,
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, rows_ptr, experts_ptr,
+def _down_kernel(act_ptr, w_ptr, scale_ptr, out_ptr, weights_ptr, rows_ptr, experts_ptr,
                  num_rows, num_experts, hidden, inter,
-                 stride_act, stride_we, stride_wn, stride_out,
+                 stride_act, stride_we, stride_wn, stride_se, stride_out,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+                 FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
     tile = tl.program_id(0)
     expert = tl.load(experts_ptr + tile).to(tl.int64)
     if expert >= num_experts:
@@ -125,7 +139,11 @@ def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, rows_ptr, experts_ptr,
         a = tl.load(act_ptr + rows[:, None] * stride_act + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)
         b = tl.load(w + cols[None, :] * stride_wn + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if FP8:
+            b = b.to(a.dtype)
         acc += mma(a, b, DOT_PRECISION, DOT_UPCAST)
+    if FP8:
+        acc *= tl.load(scale_ptr + expert * stride_se + cols, mask=col_ok, other=0.0)[None, :]
     dtype = out_ptr.dtype.element_ty
     scale = tl.load(weights_ptr + rows, mask=row_ok, other=0.0)
     # the down projection rounded, then scaled in fp32 and rounded again, as the twin does
@@ -139,9 +157,11 @@ def _block(n: int, cap: int) -> int:
 
 
 def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                     topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                     topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                     w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Same contract as fused_moe_torch: hidden [T, H]; w13 [E, 2I, H]; w2
-    [E, H, I]; topk_weights, topk_ids [T, k]. Returns [T, H]."""
+    [E, H, I]; topk_weights, topk_ids [T, k]; for e4m3 experts, fp32 scales
+    w13_scale [E, 2I] and w2_scale [E, H]. Returns [T, H]."""
     tokens, hidden_size = hidden.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
@@ -151,6 +171,13 @@ def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          f"hidden size {hidden_size}")
     if hidden.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("fused_moe_triton: the last dimensions must be dense")
+    fp8 = w13_scale is not None
+    if fp8 != (w2_scale is not None):
+        raise ValueError("fused_moe_triton: FP8 experts need both w13_scale and w2_scale")
+    if fp8 and (w13_scale.shape != (num_experts, 2 * inter) or w2_scale.shape != (num_experts, hidden_size)
+                or w13_scale.stride(-1) != 1 or w2_scale.stride(-1) != 1):
+        raise ValueError(f"fused_moe_triton: scales {tuple(w13_scale.shape)} and {tuple(w2_scale.shape)} do not "
+                         f"fit {num_experts} experts of {2 * inter} and {hidden_size} channels")
     if tokens == 0:
         return torch.zeros_like(hidden)
     num_rows = tokens * top_k
@@ -162,13 +189,13 @@ def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     act = torch.empty((num_rows, inter), dtype=hidden.dtype, device=hidden.device)
     block_n, block_k = _block(inter, 64), _block(hidden_size, 64)
     _gate_up_kernel[(tile_experts.numel(), triton.cdiv(inter, block_n))](
-        hidden, w13, act, sorted_rows, tile_experts, num_rows, num_experts, top_k, hidden_size, inter,
-        hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **dots)
+        hidden, w13, w13_scale if fp8 else w13, act, sorted_rows, tile_experts, num_rows, num_experts, top_k,
+        hidden_size, inter, hidden.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0) if fp8 else 0,
+        act.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8, **dots)
     out_rows = torch.empty((num_rows, hidden_size), dtype=hidden.dtype, device=hidden.device)
     block_n, block_k = _block(hidden_size, 64), _block(inter, 64)
     _down_kernel[(tile_experts.numel(), triton.cdiv(hidden_size, block_n))](
-        act, w2, out_rows, weights, sorted_rows, tile_experts, num_rows, num_experts, hidden_size, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), out_rows.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **dots)
+        act, w2, w2_scale if fp8 else w2, out_rows, weights, sorted_rows, tile_experts, num_rows, num_experts,
+        hidden_size, inter, act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0) if fp8 else 0,
+        out_rows.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8, **dots)
     return out_rows.view(tokens, top_k, hidden_size).sum(dim=1)

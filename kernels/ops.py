@@ -97,13 +97,15 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-    """Each token's top-k experts' SwiGLU MLPs, weighted and summed; see fused_moe_torch.py."""
+              topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
+              w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Each token's top-k experts' SwiGLU MLPs, weighted and summed (e4m3
+    experts when the scales are given); see fused_moe_torch.py."""
     if _use_triton(hidden):
         from tandem.kernels.fused_moe_triton import fused_moe_triton
 
-        return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids)
-    return fused_moe_torch(hidden, w13, w2, topk_weights, topk_ids)
+        return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    return fused_moe_torch(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -32,7 +32,7 @@ MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 # Each expert's projections as checkpoints name them: (gate, up, down).
 _EXPERT_PROJ_NAMES = {"mlp": ("gate_proj", "up_proj", "down_proj"),  # Qwen3-MoE
                       "block_sparse_moe": ("w1", "w3", "w2")}  # Mixtral
-_MOE_PARAM = re.compile(r"(?P<layer>.+)\.mlp\.(?P<rest>gate\.weight|experts\.gate_up_proj|experts\.down_proj)")
+_MOE_PARAM = re.compile(r"(?P<layer>.+)\.mlp\.(?P<rest>gate\.weight|experts\.(gate_up|down)_proj(?P<scale>_scale)?)")
 
 # (index into a parameter, checkpoint tensor name): the tensor is copied into param[index]
 Piece = tuple[tuple, str]
@@ -96,13 +96,19 @@ class Experts(nn.Module):
     tp_shard narrows each checkpoint tensor), runs the same kernel over
     every expert, and the block sums its output over ranks. Every rank
     routes every token (the router is whole), so no token moves between
-    ranks; each expert's GEMMs are 1/n as wide."""
+    ranks; each expert's GEMMs are 1/n as wide.
+
+    FP8 experts (engine/fp8.py) hold e4m3 tensors of the same shapes and fp32
+    scales per expert and output channel: gate_up_proj_scale [E, 2I],
+    down_proj_scale [E, H]; None otherwise."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.register_parameter("gate_up_proj_scale", None)
+        self.register_parameter("down_proj_scale", None)
 
 
 class SparseMoeBlock(nn.Module):
@@ -117,7 +123,9 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.moe)
-        return all_reduce(fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids))
+        e = self.experts
+        return all_reduce(fused_moe(x, e.gate_up_proj, e.down_proj, weights, ids, e.gate_up_proj_scale,
+                                    e.down_proj_scale))
 
 
 def checkpoint_pieces(name: str, shape: torch.Size) -> Iterator[list[Piece]]:
@@ -126,19 +134,22 @@ def checkpoint_pieces(name: str, shape: torch.Size) -> Iterator[list[Piece]]:
     Nothing for a parameter that is not an MoE router or expert tensor.
 
     Experts are copied one by one into the stacked tensor, so loading never
-    holds a second copy of a layer's experts."""
+    holds a second copy of a layer's experts. FP8 experts' scales come from
+    each expert's `weight_scale` (per channel once engine/fp8.py's
+    normalize_checkpoint has read the checkpoint)."""
     m = _MOE_PARAM.fullmatch(name)
     if m is None:
         return
     layer, rest = m["layer"], m["rest"]
+    suffix = "weight_scale" if m["scale"] else "weight"
     for block, (gate, up, down) in _EXPERT_PROJ_NAMES.items():
         base = f"{layer}.{block}"
         if rest == "gate.weight":
             yield [((), f"{base}.gate.weight")]
-        elif rest == "experts.down_proj":
-            yield [((e,), f"{base}.experts.{e}.{down}.weight") for e in range(shape[0])]
+        elif rest.startswith("experts.down_proj"):
+            yield [((e,), f"{base}.experts.{e}.{down}.{suffix}") for e in range(shape[0])]
         else:
             inter = shape[1] // 2
             yield [piece for e in range(shape[0])
-                   for piece in (((e, slice(0, inter)), f"{base}.experts.{e}.{gate}.weight"),
-                                 ((e, slice(inter, 2 * inter)), f"{base}.experts.{e}.{up}.weight"))]
+                   for piece in (((e, slice(0, inter)), f"{base}.experts.{e}.{gate}.{suffix}"),
+                                 ((e, slice(inter, 2 * inter)), f"{base}.experts.{e}.{up}.{suffix}"))]

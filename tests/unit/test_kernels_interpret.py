@@ -72,9 +72,10 @@ def test_layer_op_kernels_match_torch_twins_under_interpreter() -> None:
 def test_fused_moe_kernels_match_torch_twin_under_interpreter() -> None:
     # Grouped gate/up and down GEMMs over expert-sorted rows: 2-8 experts,
     # top-k 1, 2 and 3, an expert with no rows, experts taking every row, one
-    # token and none, 64-row tiles with padding; fp32 and bf16.
+    # token and none, 64-row tiles with padding; fp32 and bf16; each with FP8
+    # (e4m3) experts too.
     out = run_check_module("fused_moe_check", timeout_s=100)
-    assert "checked 14 cases, 0 failed" in out, out
+    assert "checked 28 cases, 0 failed" in out, out
 
 
 @pytest.mark.timeout(120)
