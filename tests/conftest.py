@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 
+from tests.lanes import LANE_ENV
 from tests.support.memory import resident_bytes
 
 # A test that leaves this process this much larger than after the last
@@ -30,3 +32,15 @@ def pytest_runtest_teardown(item, nextitem):
         gc.collect()
         _resident_after_collect = resident_bytes()
     return result
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under tests/lanes.py: "shared" while the two lanes run side by side
+    (solo tests left out), "solo" for the short run after them (only those)."""
+    lane = os.environ.get(LANE_ENV)
+    if lane not in ("shared", "solo"):
+        return
+    keep = [item for item in items if (item.get_closest_marker("solo") is not None) == (lane == "solo")]
+    kept = set(keep)
+    config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+    items[:] = keep

@@ -11,8 +11,11 @@ worker, so two workers could each hold an engine-heavy unit module and a
 stack at once, which does not fit in 24 GiB (docs/benchmarks.md, "CI time");
 a lane holds at most one of each kind.
 
+Tests marked `solo` (a measurement that needs a spare core) are left out of
+the lanes and run after them, alone (tests/conftest.py reads LANE_ENV).
+
 Each lane's lines are printed as they come, prefixed with its name; the exit
-status is the first failing lane's, else 0. Arguments naming test files or
+status is the first failing run's, else 0. Arguments naming test files or
 folders run one plain pytest process with them instead.
 """
 from __future__ import annotations
@@ -36,6 +39,10 @@ class Lane:
 
 
 LANES = (Lane("e2e", ("tests/e2e",)), Lane("unit", ("tests/unit", "tests/gpu")))
+SOLO = Lane("solo", ("tests/unit", "tests/gpu", "tests/e2e"))
+LANE_ENV = "TANDEM_TEST_LANE"  # tests/conftest.py: "shared" leaves solo tests out, "solo" runs only them
+NO_TESTS_COLLECTED = 5  # pytest's exit status when a run selects nothing
+_stopped: list[int] = []  # the signal that stopped the lanes, if one did
 
 
 def names_tests(arg: str) -> bool:
@@ -50,18 +57,22 @@ def _forward(lane: Lane, width: int, stream, lock: threading.Lock) -> None:
             sys.stdout.flush()
 
 
-def run_lanes(lanes: tuple[Lane, ...], pytest_args: list[str]) -> int:
+def run_lanes(lanes: tuple[Lane, ...], pytest_args: list[str], lane_env: str = "") -> int:
+    """The lanes' pytest processes at once; lane_env: LANE_ENV's value for them."""
     lock = threading.Lock()
     width = max(len(lane.name) for lane in lanes)
     procs: list[tuple[Lane, subprocess.Popen, threading.Thread, float]] = []
     for lane in lanes:
+        # Unbuffered: into a pipe, a lane's progress would come in 8 KiB bursts, minutes apart.
         proc = subprocess.Popen([sys.executable, "-m", "pytest", *lane.paths, *pytest_args], cwd=ROOT,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", LANE_ENV: lane_env})
         reader = threading.Thread(target=_forward, args=(lane, width, proc.stdout, lock), daemon=True)
         reader.start()
         procs.append((lane, proc, reader, time.monotonic()))
 
     def stop(signum, _frame):  # Ctrl-C or a CI timeout: both lanes stop, not one
+        _stopped.append(signum)
         for _, proc, _, _ in procs:
             if proc.poll() is None:
                 proc.send_signal(signum)
@@ -85,12 +96,17 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m tests.lanes",
         description="Run the test suite as two pytest processes at once (" +
                     "; ".join(f"{l.name}: {' '.join(l.paths)}" for l in LANES) +
-                    "). Any other arguments go to both pytest processes; if one names a test "
-                    "file or folder, a single pytest process runs them instead.")
+                    "), then the tests marked solo alone. Any other arguments go to every pytest "
+                    "process; if one names a test file or folder, a single pytest process runs them "
+                    "instead.")
     _, rest = parser.parse_known_args(argv)
     if any(names_tests(a) for a in rest):
         return subprocess.call([sys.executable, "-m", "pytest", *rest], cwd=ROOT)
-    return run_lanes(LANES, rest)
+    shared = run_lanes(LANES, rest, lane_env="shared")
+    if _stopped:
+        return shared or 1
+    solo = run_lanes((SOLO,), rest, lane_env="solo")
+    return shared or (0 if solo == NO_TESTS_COLLECTED else solo)
 
 
 if __name__ == "__main__":

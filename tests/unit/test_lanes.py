@@ -3,10 +3,11 @@ lane, and a failure in either fails the run. Real pytest processes on two
 throwaway test folders."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
-from tests.lanes import ROOT, Lane, names_tests, run_lanes
+from tests.lanes import LANE_ENV, ROOT, Lane, names_tests, run_lanes
 
 
 def write_lane(folder, name: str, body: str) -> str:
@@ -42,3 +43,19 @@ def test_arguments_naming_tests_run_one_pytest_process():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "test_lanes.py::test_arguments_naming_tests_run_one_pytest_process" in out.stdout
     assert "[" not in out.stdout and "lane " not in out.stdout  # one plain process, no lanes
+
+
+def test_solo_tests_leave_the_lanes_and_run_alone():
+    """tests/conftest.py's selection under tests/lanes.py's LANE_ENV: the
+    GIL measurement (marked solo) only in the solo run, its neighbours only
+    in the shared lanes."""
+    def collected(lane: str) -> list[str]:
+        out = subprocess.run([sys.executable, "-m", "pytest", "tests/unit/test_kv_wire_gil.py", "-q",
+                              "--collect-only", "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=120, env={**os.environ, LANE_ENV: lane})
+        return [line for line in out.stdout.splitlines() if "::" in line]
+
+    solo, shared, plain = collected("solo"), collected("shared"), collected("")
+    assert solo == ["tests/unit/test_kv_wire_gil.py::test_a_call_that_cannot_block_keeps_the_gil"]
+    assert shared and not set(solo) & set(shared)
+    assert sorted(solo + shared) == sorted(plain)  # outside `make test` nothing is left out
