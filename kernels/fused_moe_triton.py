@@ -29,6 +29,7 @@ scale before the rounding. Half the weight bytes; the same launches.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -156,9 +157,34 @@ def _block(n: int, cap: int) -> int:
     return max(16, min(cap, triton.next_power_of_2(n)))
 
 
+@dataclass(frozen=True)
+class MoETiles:
+    """One launch's tiles: BLOCK_N output columns and BLOCK_K reduction
+    columns a program, and Triton's warps and pipeline stages. None: the
+    defaults below. bench/moe_tiles.py sweeps them on a GPU."""
+    block_n: Optional[int] = None
+    block_k: Optional[int] = None
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def resolved(self, n: int, k: int) -> tuple[int, int]:
+        return self.block_n or _block(n, 64), self.block_k or _block(k, 64)
+
+
+# FP8 experts' tiles: narrower and deeper than bf16's, so more programs keep
+# more e4m3 bytes in flight while each widens its tile. The sweep of
+# bench/moe_tiles.py on an H200 (Qwen3-30B-A3B's shapes, docs/benchmarks.md)
+# found these best at 8 and 64 tokens: the layer 13-15% faster than at the
+# bf16 tiles; at 1 and 256 tokens within 3%. bf16's defaults were within 5%
+# of the best found, so they stay.
+FP8_GATE_UP_TILES = MoETiles(block_n=32, block_k=128, num_warps=4, num_stages=4)
+FP8_DOWN_TILES = MoETiles(block_n=64, block_k=128, num_warps=4, num_stages=3)
+
+
 def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                     w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
+                     gate_up_tiles: Optional[MoETiles] = None, down_tiles: Optional[MoETiles] = None) -> torch.Tensor:
     """Same contract as fused_moe_torch: hidden [T, H]; w13 [E, 2I, H]; w2
     [E, H, I]; topk_weights, topk_ids [T, k]; for e4m3 experts, fp32 scales
     w13_scale [E, 2I] and w2_scale [E, H]. Returns [T, H]."""
@@ -172,6 +198,8 @@ def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if hidden.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("fused_moe_triton: the last dimensions must be dense")
     fp8 = w13_scale is not None
+    gate_up_tiles = gate_up_tiles or (FP8_GATE_UP_TILES if fp8 else MoETiles())
+    down_tiles = down_tiles or (FP8_DOWN_TILES if fp8 else MoETiles())
     if fp8 != (w2_scale is not None):
         raise ValueError("fused_moe_triton: FP8 experts need both w13_scale and w2_scale")
     if fp8 and (w13_scale.shape != (num_experts, 2 * inter) or w2_scale.shape != (num_experts, hidden_size)
@@ -187,15 +215,17 @@ def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     weights = topk_weights.reshape(-1).to(torch.float32)
     dots = dot_settings(hidden.dtype)
     act = torch.empty((num_rows, inter), dtype=hidden.dtype, device=hidden.device)
-    block_n, block_k = _block(inter, 64), _block(hidden_size, 64)
+    block_n, block_k = gate_up_tiles.resolved(inter, hidden_size)
     _gate_up_kernel[(tile_experts.numel(), triton.cdiv(inter, block_n))](
         hidden, w13, w13_scale if fp8 else w13, act, sorted_rows, tile_experts, num_rows, num_experts, top_k,
         hidden_size, inter, hidden.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0) if fp8 else 0,
-        act.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8, **dots)
+        act.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8, **dots,
+        num_warps=gate_up_tiles.num_warps, num_stages=gate_up_tiles.num_stages)
     out_rows = torch.empty((num_rows, hidden_size), dtype=hidden.dtype, device=hidden.device)
-    block_n, block_k = _block(hidden_size, 64), _block(inter, 64)
+    block_n, block_k = down_tiles.resolved(hidden_size, inter)
     _down_kernel[(tile_experts.numel(), triton.cdiv(hidden_size, block_n))](
         act, w2, w2_scale if fp8 else w2, out_rows, weights, sorted_rows, tile_experts, num_rows, num_experts,
         hidden_size, inter, act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0) if fp8 else 0,
-        out_rows.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8, **dots)
+        out_rows.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8, **dots,
+        num_warps=down_tiles.num_warps, num_stages=down_tiles.num_stages)
     return out_rows.view(tokens, top_k, hidden_size).sum(dim=1)
