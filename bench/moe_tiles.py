@@ -54,7 +54,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from tandem.bench.latency import copy_bandwidth
     from tandem.bench.presets import preset_config
     from tandem.engine.models.moe import MoEConfig
-    from tandem.kernels.fp8_torch import quantize_weight
+    from tandem.kernels.fp8_torch import quantize_stacked
     from tandem.kernels.fused_moe_triton import MoETiles, fused_moe_triton
 
     if not torch.cuda.is_available():
@@ -69,9 +69,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     w2 = torch.randn(experts, hidden, inter, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
     scales: tuple = ()
     if args.fp8:
-        (q13, s13), (q2, s2) = (quantize_weight(w.reshape(-1, w.shape[-1])) for w in (w13, w2))
-        w13, w2 = q13.view(w13.shape), q2.view(w2.shape)
-        scales = (s13.view(experts, 2 * inter), s2.view(experts, hidden))
+        (w13, s13), (w2, s2) = quantize_stacked(w13), quantize_stacked(w2)
+        scales = (s13, s2)
     bandwidth = copy_bandwidth(device)
     grid = parse_grid(args.grid)
     print(f"{args.preset}: {experts} experts, top-{moe.top_k}, hidden {hidden}, expert width {inter}, "

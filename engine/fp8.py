@@ -32,7 +32,7 @@ from torch import nn
 
 from tandem.engine.config import ConfigError
 from tandem.kernels import fp8_linear
-from tandem.kernels.fp8_torch import FP8_DTYPE, quantize_weight
+from tandem.kernels.fp8_torch import FP8_DTYPE, quantize_stacked, quantize_weight
 
 log = logging.getLogger(__name__)
 
@@ -222,13 +222,11 @@ def _set_fp8_experts(experts: nn.Module, weights: dict[str, torch.Tensor], scale
 
 def quantize_experts(experts: nn.Module) -> None:
     """One MoE layer's stacked experts [E, N, K] to e4m3 with fp32 scales
-    [E, N]: each expert's output channels as quantize_weight does a layer's."""
+    [E, N] (kernels/fp8_torch.py's quantize_stacked)."""
     weights, scales = {}, {}
     with torch.no_grad():
         for name in ("gate_up_proj", "down_proj"):
-            w = getattr(experts, name)
-            q, scale = quantize_weight(w.reshape(-1, w.shape[-1]))
-            weights[name], scales[name] = q.view(w.shape), scale.view(w.shape[:2])
+            weights[name], scales[name] = quantize_stacked(getattr(experts, name))
     _set_fp8_experts(experts, weights, scales)
 
 

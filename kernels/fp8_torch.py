@@ -55,6 +55,14 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.reshape(-1)
 
 
+def quantize_stacked(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked weights [E, N, K] (an MoE layer's experts) as e4m3 with one
+    fp32 scale per expert and output channel [E, N]: quantize_weight's rule
+    for each expert."""
+    q, scale = quantize_weight(weight.reshape(-1, weight.shape[-1]))
+    return q.view(weight.shape), scale.view(weight.shape[:2])
+
+
 def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """fp32 [N, K] from e4m3 [N, K] and per-channel scales [N]."""
     return weight.float() * scale.float().reshape(-1, 1)

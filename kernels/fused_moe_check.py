@@ -16,7 +16,7 @@ import sys
 import torch
 
 from tandem.kernels.check_runner import check_parser, relative_error, run_checks
-from tandem.kernels.fp8_torch import quantize_rows_torch
+from tandem.kernels.fp8_torch import quantize_stacked
 from tandem.kernels.fused_moe_torch import fused_moe_torch
 from tandem.kernels.layer_ops_check import TOLERANCE
 
@@ -56,13 +56,6 @@ def routing(tokens: int, experts: int, top_k: int, kind: str, gen: torch.Generat
     return ids
 
 
-def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 [E, N, K] and fp32 scales [E, N]: each expert's output channels
-    quantized as engine/fp8.py quantizes them."""
-    q, scale = quantize_rows_torch(w.reshape(-1, w.shape[-1]))
-    return q.view(w.shape), scale.view(w.shape[:2])
-
-
 def cases(device: str):
     from tandem.kernels.fused_moe_triton import fused_moe_triton
 
@@ -79,7 +72,7 @@ def cases(device: str):
             weights = (weights / weights.sum(-1, keepdim=True)).to(device)  # fp32, as Mixtral's router gives
             scales = ()
             if fp8:
-                (w13, w13_scale), (w2, w2_scale) = quantize_experts(w13), quantize_experts(w2)
+                (w13, w13_scale), (w2, w2_scale) = quantize_stacked(w13), quantize_stacked(w2)
                 scales = (w13_scale, w2_scale)
             name = (f"fused_moe {dtype}{' fp8 experts' if fp8 else ''} T={tokens} E={experts} k={top_k} "
                     f"{hidden}x{inter} {kind}")

@@ -79,16 +79,17 @@ def run_lanes(lanes: tuple[Lane, ...], pytest_args: list[str], lane_env: str = "
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
-    codes = []
-    summary = []
-    for lane, proc, reader, started in procs:
-        code = proc.wait()
+    ended: dict[int, float] = {}  # each lane's own end, whichever ends first
+    while len(ended) < len(procs):
+        for i, (_, proc, _, _) in enumerate(procs):
+            if i not in ended and proc.poll() is not None:
+                ended[i] = time.monotonic()
+        time.sleep(0.2)
+    for i, (lane, proc, reader, started) in enumerate(procs):
         reader.join()
-        codes.append(code)
-        summary.append(f"lane {lane.name} ({' '.join(lane.paths)}): exit {code}, "
-                       f"{time.monotonic() - started:.0f} s")
-    print("\n".join(summary), flush=True)
-    return next((c for c in codes if c != 0), 0)
+        print(f"lane {lane.name} ({' '.join(lane.paths)}): exit {proc.returncode}, {ended[i] - started:.0f} s",
+              flush=True)
+    return next((proc.returncode for _, proc, _, _ in procs if proc.returncode != 0), 0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ def write_lane(folder, name: str, body: str) -> str:
 
 
 def test_a_failure_in_one_lane_fails_the_run_and_the_other_lane_still_runs(tmp_path, capfd):
-    ok = write_lane(tmp_path / "ok", "ok", "def test_fine():\n    assert True\n")
+    ok = write_lane(tmp_path / "ok", "ok", "import time\n\ndef test_fine():\n    time.sleep(3)\n")
     bad = write_lane(tmp_path / "bad", "bad", "def test_broken():\n    assert 1 == 2\n")
     code = run_lanes((Lane("good", (ok,)), Lane("bad", (bad,))), ["-q", "-p", "no:cacheprovider"])
     out = capfd.readouterr().out
@@ -25,6 +25,10 @@ def test_a_failure_in_one_lane_fails_the_run_and_the_other_lane_still_runs(tmp_p
     assert "[good] 1 passed" in out
     assert "[ bad] FAILED" in out and "1 failed" in out
     assert "lane good" in out and "exit 0" in out and "lane bad" in out and "exit 1" in out
+    # each lane's own time: the failing one ended seconds before the sleeping one
+    seconds = {line.split()[1]: int(line.rsplit(", ", 1)[1].split()[0]) for line in out.splitlines()
+               if line.startswith("lane ")}
+    assert seconds["good"] >= seconds["bad"] + 2, seconds
 
 
 def test_both_lanes_passing_is_a_pass(tmp_path, capfd):
