@@ -202,22 +202,31 @@ def test_hf_fp8_checkpoints_load_as_fp8(tmp_path, form):
     proj = llm.engine.runner.model.model.layers[1].mlp.up_proj
     assert isinstance(proj, Fp8Linear)
     loaded = proj.weight.float() * proj.weight_scale.unsqueeze(1)
-    q = written["model.layers.1.mlp.up_proj.weight"].float()
+    _assert_loaded_as_written(loaded, written, "model.layers.1.mlp.up_proj", form)
+    if form == "per-channel":
+        _assert_same_tokens_as_quantizing_at_load(llm, src)
+
+
+def _assert_loaded_as_written(loaded: torch.Tensor, written: dict, base: str, form: str) -> None:
+    """`loaded` (fp32 values of an FP8 layer) against the checkpoint's `base`."""
+    q = written[base + ".weight"].float()
     if form == "block":
-        scale = written["model.layers.1.mlp.up_proj.weight_scale_inv"]
+        scale = written[base + ".weight_scale_inv"]
         expected = q * scale.repeat_interleave(16, 0).repeat_interleave(32, 1)
         # quantized again per channel: one more e4m3 rounding
-        assert torch.allclose(loaded, expected, rtol=1 / 16, atol=1e-6)
+        assert torch.allclose(loaded, expected, rtol=1 / 16, atol=1e-6), base
     else:
-        expected = q * written["model.layers.1.mlp.up_proj.weight_scale"].float().reshape(-1, 1)
-        assert torch.equal(loaded, expected)
-    if form == "per-channel":
-        # the same e4m3 values and scales as quantizing the bf16 folder at load: the same tokens
-        prompts = [[random.Random(n).randrange(2, 512) for _ in range(n)] for n in LENGTHS]
-        greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-        ours = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
-        at_load = [o.outputs[0].token_ids for o in LLM(src, quantization="fp8").generate(prompts, greedy)]
-        assert ours == at_load
+        assert torch.equal(loaded, q * written[base + ".weight_scale"].float().reshape(-1, 1)), base
+
+
+def _assert_same_tokens_as_quantizing_at_load(llm: LLM, src: str) -> None:
+    """A per-channel checkpoint holds the e4m3 values and scales that
+    quantizing the bf16 folder at load makes: the same greedy tokens."""
+    prompts = [[random.Random(n).randrange(2, 512) for _ in range(n)] for n in LENGTHS]
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    at_load = [o.outputs[0].token_ids for o in LLM(src, quantization="fp8").generate(prompts, greedy)]
+    assert ours == at_load
 
 
 def test_fp8_refuses_what_it_cannot_run(tmp_path):
@@ -308,21 +317,9 @@ def test_hf_fp8_moe_checkpoints_load_each_experts_scales(tmp_path, form):
         up = experts.gate_up_proj[e, inter:].float() * experts.gate_up_proj_scale[e, inter:].unsqueeze(1)
         down = experts.down_proj[e].float() * experts.down_proj_scale[e].unsqueeze(1)
         for loaded, proj in ((up, "up_proj"), (down, "down_proj")):
-            base = f"model.layers.2.mlp.experts.{e}.{proj}"
-            q = written[base + ".weight"].float()
-            if form == "block":
-                scale = written[base + ".weight_scale_inv"]
-                expected = q * scale.repeat_interleave(16, 0).repeat_interleave(32, 1)
-                assert torch.allclose(loaded, expected, rtol=1 / 16, atol=1e-6), base
-            else:
-                assert torch.equal(loaded, q * written[base + ".weight_scale"].float().reshape(-1, 1)), base
+            _assert_loaded_as_written(loaded, written, f"model.layers.2.mlp.experts.{e}.{proj}", form)
     if form == "per-channel":
-        # the same e4m3 values and scales as quantizing the bf16 folder at load: the same tokens
-        prompts = [[random.Random(n).randrange(2, 512) for _ in range(n)] for n in LENGTHS]
-        greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-        ours = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
-        at_load = [o.outputs[0].token_ids for o in LLM(src, quantization="fp8").generate(prompts, greedy)]
-        assert ours == at_load
+        _assert_same_tokens_as_quantizing_at_load(llm, src)
 
 
 def test_fp8_smollm2_agrees_with_bf16_on_most_greedy_tokens():
