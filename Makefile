@@ -26,8 +26,8 @@ install: $(STAMP)
 up: install
 	$(VENV)/bin/tandem up $(ARGS)
 
-# Two pytest processes at once, unit and end-to-end (tests/lanes.py says why);
-# PYTEST_ARGS naming test files run them in one plain pytest process.
+# Two pytest processes at once, unit and end-to-end, then the `solo` tests alone
+# (tests/lanes.py says why); PYTEST_ARGS naming test files run one plain pytest.
 test: install
 	$(PY) -m tests.lanes -q $(PYTEST_ARGS)
 

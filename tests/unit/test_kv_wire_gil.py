@@ -91,8 +91,8 @@ def test_a_call_that_cannot_block_keeps_the_gil(pair):
     rounds = []
     try:
         # The spinner must run for plain reads to wait: on a machine whose
-        # cores are all busy (the suite's other lane) it may not get one for a
-        # while, so a round that cannot tell is measured again.
+        # cores are busy with other work it may not get one for a while, so a
+        # round that cannot tell is measured again.
         for _ in range(ROUNDS):
             plain = slow_reads(lambda: b.recv_into(buf, 1))
             held = slow_reads(lambda: held_gil_io.recv_now(b, buf))
