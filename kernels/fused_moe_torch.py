@@ -28,6 +28,19 @@ from torch.nn import functional as F
 from tandem.kernels.layer_ops_torch import silu_and_mul_torch
 
 
+def route_torch(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                weights_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] in weights_dtype, expert ids [T, k]) from router
+    logits [T, E], as HF routes Qwen3-MoE and Mixtral: softmax over all
+    experts in fp32, the top k, renormalised to sum to 1 when asked, then
+    rounded to weights_dtype. Twin of moe_routing_triton.py."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(weights_dtype), ids
+
+
 def expert_linear(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
     """x [M, K] times one expert's weight [N, K]; with scale [N], the weight
     is e4m3 and the product is scaled per channel in fp32 (module docstring)."""

@@ -3,14 +3,15 @@
 A batch of T tokens routed to k experts each is T * k (token, expert) rows.
 They are sorted by expert and each expert's run is padded to a multiple of
 BLOCK_M, so every BLOCK_M-row tile of the sorted order belongs to one expert
-(align_by_expert). Then:
+(align_by_expert: one launch of one program for a decode step's rows, torch
+ops for more). Then:
 
 1. gate/up: one launch over all tiles; a tile multiplies its rows' hidden
    states by its expert's gate and up weights (two accumulators over the same
    columns) and stores silu(gate) * up, [T * k, I];
 2. down: one launch; a tile multiplies those by its expert's down weights,
    scales each row by its routing weight and stores it, [T * k, H];
-3. combine: the k rows of each token are summed.
+3. combine: the k rows of each token are summed (a launch of its own).
 
 Why: looping over experts in torch is a host round trip and a few small
 GEMMs per expert (128 experts: hundreds of launches per layer, and the host
@@ -36,21 +37,24 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.common_triton import dot_settings, mma
+from tandem.kernels.common_triton import dot_settings, mma, pdl_launch, pdl_prologue
 
 
-def align_by_expert(topk_ids: torch.Tensor, num_experts: int,
-                    block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def align_by_expert_torch(topk_ids: torch.Tensor, num_experts: int,
+                          block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_rows, tile_experts) for topk_ids [T, k].
 
     sorted_rows [num_tiles * block_m] (int32): indices into the flattened
-    [T * k] routing, grouped by expert, each expert's group padded to a
-    multiple of block_m with T * k (a row that does not exist).
+    [T * k] routing, grouped by expert, in row order within an expert, each
+    expert's group padded to a multiple of block_m with T * k (a row that
+    does not exist).
     tile_experts [num_tiles] (int32): the expert of each tile; num_experts for
     the tiles past the last expert's group.
 
     Torch ops without a host synchronisation (the sizes depend on T, k and E
-    only), so the whole layer can be captured in a CUDA graph."""
+    only), so the whole layer can be captured in a CUDA graph. About twenty
+    launches, though: align_by_expert takes the one-launch kernel below when
+    the rows fit it."""
     flat = topk_ids.reshape(-1)
     num_rows = flat.numel()
     device = flat.device
@@ -64,13 +68,91 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int,
     # a row's rank within its expert's group, then its place in the padded order
     rank = torch.arange(num_rows, device=device) - (counts.cumsum(0) - counts)[experts_in_order]
     dest = padded_start[experts_in_order] + rank
-    # Only experts that got a row are padded, and at most block_m - 1 rows each.
-    bound = num_rows + min(num_experts, num_rows) * (block_m - 1)
-    num_tiles = triton.cdiv(bound, block_m)
+    num_tiles = _num_tiles(num_rows, num_experts, block_m)
     sorted_rows = torch.full((num_tiles * block_m,), num_rows, dtype=torch.int32, device=device)
     sorted_rows[dest] = order.to(torch.int32)
     tile_starts = torch.arange(num_tiles, dtype=torch.int64, device=device) * block_m
     tile_experts = torch.searchsorted(padded_end, tile_starts, right=True).to(torch.int32)
+    return sorted_rows, tile_experts
+
+
+def _num_tiles(num_rows: int, num_experts: int, block_m: int) -> int:
+    # Only experts that got a row are padded, and at most block_m - 1 rows each.
+    return triton.cdiv(num_rows + min(num_experts, num_rows) * (block_m - 1), block_m)
+
+
+# The one-launch alignment: every program reads all the rows' experts (4096
+# int64 are 32 KiB), so it takes up to this many rows (a decode step of 512
+# tokens at top-8); larger batches are prefill, where twenty launches weigh
+# little beside the GEMMs.
+ALIGN_MAX_ROWS = 4096
+_ALIGN_CHUNK = 128  # rows a program places
+_ALIGN_TILES = 32  # tiles a program labels
+
+
+@triton.jit(do_not_specialize=["num_rows", "num_tiles"])
+def _align_kernel(ids_ptr, sorted_rows_ptr, tile_experts_ptr, num_rows, num_experts, num_tiles,
+                  ROWS: tl.constexpr, EXPERTS: tl.constexpr, CHUNK: tl.constexpr, TILES: tl.constexpr,
+                  BLOCK_M: tl.constexpr, PDL: tl.constexpr):
+    """align_by_expert_torch's result. Each program counts every expert's
+    rows (a histogram of all of them) and so knows each padded group's
+    start; then it places its CHUNK rows, a row going after its expert's
+    rows in the chunks before (a histogram of those) and in its own chunk
+    before it (a CHUNK x CHUNK comparison), which is the torch path's
+    stable order; then it labels its TILES tiles with their expert and
+    fills their padding slots. Rows and padding are disjoint slots, so the
+    programs need no order among them."""
+    pdl_prologue(PDL)
+    pid = tl.program_id(0)
+    r = tl.arange(0, ROWS)
+    # Rows past the end take expert num_experts (EXPERTS > num_experts), which counts nowhere.
+    ids = tl.load(ids_ptr + r, mask=r < num_rows, other=num_experts).to(tl.int32)
+    e = tl.arange(0, EXPERTS)
+    real_expert = e < num_experts
+    counts = tl.where(real_expert, tl.histogram(ids, EXPERTS), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, 0)
+    padded_start = padded_end - padded
+
+    first = pid * CHUNK
+    before = tl.histogram(tl.where(r < first, ids, num_experts), EXPERTS)
+    c = tl.arange(0, CHUNK)
+    mine = tl.load(ids_ptr + first + c, mask=first + c < num_rows, other=num_experts).to(tl.int32)
+    rank = tl.sum(((mine[:, None] == mine[None, :]) & (c[None, :] < c[:, None])).to(tl.int32), axis=1)
+    dest = tl.gather(padded_start + before, mine, 0) + rank
+    tl.store(sorted_rows_ptr + dest, first + c, mask=mine < num_experts)
+
+    t = pid * TILES + tl.arange(0, TILES)
+    t_ok = t < num_tiles
+    # a tile's expert: how many real experts' padded groups end at or before its first slot
+    ended = (padded_end[None, :] <= (t * BLOCK_M)[:, None]) & real_expert[None, :]
+    expert = tl.sum(ended.to(tl.int32), axis=1)
+    tl.store(tile_experts_ptr + t, expert, mask=t_ok)
+    # Padding: the slots past the expert's rows (all of a tile past the last group:
+    # expert num_experts has no rows and starts where the last group ends).
+    offset = (t * BLOCK_M - tl.gather(padded_start, expert, 0))[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    slots = t[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    tl.store(sorted_rows_ptr + slots, num_rows, mask=t_ok[:, None] & (offset >= tl.gather(counts, expert, 0)[:, None]))
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int,
+                    block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """align_by_expert_torch's result; in one launch when the rows fit
+    ALIGN_MAX_ROWS (a decode step's MoE layer is otherwise twenty-odd small
+    launches, most of a layer's time at batch 1)."""
+    num_rows = topk_ids.numel()
+    if num_rows == 0 or num_rows > ALIGN_MAX_ROWS:
+        return align_by_expert_torch(topk_ids, num_experts, block_m)
+    num_tiles = _num_tiles(num_rows, num_experts, block_m)
+    device = topk_ids.device
+    sorted_rows = torch.empty(num_tiles * block_m, dtype=torch.int32, device=device)
+    tile_experts = torch.empty(num_tiles, dtype=torch.int32, device=device)
+    rows = max(16, triton.next_power_of_2(num_rows))
+    chunk = min(_ALIGN_CHUNK, rows)
+    programs = max(triton.cdiv(num_rows, chunk), triton.cdiv(num_tiles, _ALIGN_TILES))
+    _align_kernel[(programs,)](topk_ids.reshape(-1), sorted_rows, tile_experts, num_rows, num_experts, num_tiles,
+                               ROWS=rows, EXPERTS=triton.next_power_of_2(num_experts + 1), CHUNK=chunk,
+                               TILES=_ALIGN_TILES, BLOCK_M=block_m, **pdl_launch(topk_ids))
     return sorted_rows, tile_experts
 
 
@@ -79,7 +161,9 @@ def _gate_up_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, rows_ptr, experts_ptr,
                     num_rows, num_experts, top_k, hidden, inter,
                     stride_x, stride_we, stride_wn, stride_se, stride_out,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+                    FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+                    PDL: tl.constexpr):
+    pdl_prologue(PDL)
     tile = tl.program_id(0)
     expert = tl.load(experts_ptr + tile).to(tl.int64)
     if expert >= num_experts:
@@ -123,7 +207,9 @@ def _down_kernel(act_ptr, w_ptr, scale_ptr, out_ptr, weights_ptr, rows_ptr, expe
                  num_rows, num_experts, hidden, inter,
                  stride_act, stride_we, stride_wn, stride_se, stride_out,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+                 FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+                 PDL: tl.constexpr):
+    pdl_prologue(PDL)
     tile = tl.program_id(0)
     expert = tl.load(experts_ptr + tile).to(tl.int64)
     if expert >= num_experts:
@@ -146,11 +232,25 @@ def _down_kernel(act_ptr, w_ptr, scale_ptr, out_ptr, weights_ptr, rows_ptr, expe
     if FP8:
         acc *= tl.load(scale_ptr + expert * stride_se + cols, mask=col_ok, other=0.0)[None, :]
     dtype = out_ptr.dtype.element_ty
-    scale = tl.load(weights_ptr + rows, mask=row_ok, other=0.0)
+    scale = tl.load(weights_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     # the down projection rounded, then scaled in fp32 and rounded again, as the twin does
     y = acc.to(dtype).to(tl.float32) * scale[:, None]
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y.to(dtype),
              mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _sum_rows_kernel(rows_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """out[t] = the sum of rows t * TOP_K .. t * TOP_K + TOP_K - 1, in fp32,
+    rounded once (what torch's sum over the k rows computes)."""
+    pdl_prologue(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < hidden
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in tl.static_range(TOP_K):
+        acc += tl.load(rows_ptr + (token * TOP_K + i) * hidden + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def _block(n: int, cap: int) -> int:
@@ -212,7 +312,7 @@ def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     # A tile holds one expert's rows: small tiles when experts get few rows each (decode).
     block_m = _block(num_rows // num_experts, 64)
     sorted_rows, tile_experts = align_by_expert(topk_ids, num_experts, block_m)
-    weights = topk_weights.reshape(-1).to(torch.float32)
+    weights = topk_weights.reshape(-1)  # widened to fp32 in the down kernel
     dots = dot_settings(hidden.dtype)
     act = torch.empty((num_rows, inter), dtype=hidden.dtype, device=hidden.device)
     block_n, block_k = gate_up_tiles.resolved(inter, hidden_size)
@@ -220,12 +320,16 @@ def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         hidden, w13, w13_scale if fp8 else w13, act, sorted_rows, tile_experts, num_rows, num_experts, top_k,
         hidden_size, inter, hidden.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0) if fp8 else 0,
         act.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8, **dots,
-        num_warps=gate_up_tiles.num_warps, num_stages=gate_up_tiles.num_stages)
+        num_warps=gate_up_tiles.num_warps, num_stages=gate_up_tiles.num_stages, **pdl_launch(hidden))
     out_rows = torch.empty((num_rows, hidden_size), dtype=hidden.dtype, device=hidden.device)
     block_n, block_k = down_tiles.resolved(hidden_size, inter)
     _down_kernel[(tile_experts.numel(), triton.cdiv(hidden_size, block_n))](
         act, w2, w2_scale if fp8 else w2, out_rows, weights, sorted_rows, tile_experts, num_rows, num_experts,
         hidden_size, inter, act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0) if fp8 else 0,
         out_rows.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8, **dots,
-        num_warps=down_tiles.num_warps, num_stages=down_tiles.num_stages)
-    return out_rows.view(tokens, top_k, hidden_size).sum(dim=1)
+        num_warps=down_tiles.num_warps, num_stages=down_tiles.num_stages, **pdl_launch(hidden))
+    out = torch.empty_like(hidden)
+    block = min(1024, triton.next_power_of_2(hidden_size))
+    _sum_rows_kernel[(tokens, triton.cdiv(hidden_size, block))](out_rows, out, hidden_size, TOP_K=top_k, BLOCK=block,
+                                                               **pdl_launch(hidden))
+    return out

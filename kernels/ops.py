@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from tandem.kernels.fp8_torch import fp8_linear_torch, quantize_rows_torch
-from tandem.kernels.fused_moe_torch import fused_moe_torch
+from tandem.kernels.fused_moe_torch import fused_moe_torch, route_torch
 from tandem.kernels.metadata import AttentionMetadata
 from tandem.kernels.layer_ops_torch import rms_norm_torch, rotary_torch, silu_and_mul_torch
 from tandem.kernels.paged_attention_torch import paged_attention_torch_batched, write_kv_torch
@@ -94,6 +94,17 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
         return silu_and_mul_triton(gate_up)
     return silu_and_mul_torch(gate_up)
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+              weights_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top-k weights, expert ids) of each token from router logits [T, E];
+    see fused_moe_torch.route_torch."""
+    if _use_triton(router_logits):
+        from tandem.kernels.moe_routing_triton import route_triton
+
+        return route_triton(router_logits, top_k, renormalize, weights_dtype)
+    return route_torch(router_logits, top_k, renormalize, weights_dtype)
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -25,7 +25,7 @@ from torch import nn
 
 from tandem.engine.models.llama import MLP
 from tandem.engine.tensor_parallel import all_reduce, shard_size
-from tandem.kernels import fused_moe
+from tandem.kernels import fused_moe, moe_route
 
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 
@@ -77,13 +77,8 @@ def moe_or_dense_mlp(config, layer_idx: int) -> nn.Module:
 
 def route(router_logits: torch.Tensor, moe: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k], expert ids [T, k]) from router logits [T, E]."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, moe.top_k, dim=-1)
-    if moe.renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    if moe.weights_in_activation_dtype:
-        weights = weights.to(router_logits.dtype)
-    return weights, ids
+    weights_dtype = router_logits.dtype if moe.weights_in_activation_dtype else torch.float32
+    return moe_route(router_logits, moe.top_k, moe.renormalize, weights_dtype)
 
 
 class Experts(nn.Module):

@@ -22,7 +22,9 @@ def prompts(seed=1):
     return [[rng.randrange(2, 512) for _ in range(n)] for n in LENGTHS]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+# The MoE models run the routing, alignment and grouped-GEMM kernels of
+# kernels/moe_routing_triton.py and fused_moe_triton.py.
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "mixtral"])
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "cuda-graphs"])
 def test_fp32_greedy_matches_hf_on_gpu(tmp_path, arch, eager):
     from tandem.engine import LLM, SamplingParams
