@@ -2,8 +2,10 @@
 
 Decode reads each sequence's whole KV context for one query token: the work
 is memory bound and, at small batch, a grid of one program per (sequence, KV
-head) leaves most of the GPU idle. So the context is cut into partitions of
-`partition_size` tokens; program (seq, kv_head, split) computes attention of
+head) leaves most of the GPU idle. So each sequence's context is cut into
+as many partitions as the grid has splits (whole BLOCK_N tiles each, fewer
+partitions when the context is shorter than that many tiles); program (seq,
+kv_head, split) computes attention of
 all query heads that share the KV head (GQA: the KV tile is read once for the
 whole group) over its partition, and writes a partial result: the
 partition's normalised output and its log-sum-exp (base 2). The partitions of
@@ -19,12 +21,14 @@ each (seq, head) are then combined by their log-sum-exps, in one of two ways:
   there are many splits, whose combine it spreads over group-times more
   programs (attention_triton.DecodeConfig.fused_max_splits chooses).
 
-Invariants: partition_size is a multiple of BLOCK_N. A partition that starts
-at or beyond its sequence's length is empty: fused, it does nothing (the
-counter waits only for the sequence's cdiv(seq_len, partition_size) active
-partitions); with the reduce kernel it writes log-sum-exp -inf (weight 0)
-and a zero output. So grids may be sized for meta.max_seq_len or any bound
-above it (as a CUDA graph captured for the longest context needs). A
+Invariants: a sequence's partition size is a multiple of BLOCK_N, and the
+grid's splits times it cover the sequence. A partition that starts at or
+beyond its sequence's length is empty: fused, it does nothing (the counter
+waits only for the sequence's active partitions); with the reduce kernel it
+writes log-sum-exp -inf (weight 0) and a zero output. So grids may be sized
+for meta.max_seq_len or any bound above it (as a CUDA graph captured for the
+longest context needs): the host's partition_size only sets the split count,
+and sequences shorter than the grid's bound still use every split. A
 sequence of length 0 (CUDA-graph padding) gets a zero output. Counters are
 zero between calls; calls that share them must not overlap (one stream per
 device, see split_counters). No host syncs: every grid size
@@ -87,7 +91,7 @@ def _decode_partition_kernel(
     stride_o_tok, stride_o_head,
     stride_po_seq, stride_po_head, stride_po_split,
     stride_pl_seq, stride_pl_head,
-    partition_size, num_kv_heads,
+    num_kv_heads,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
@@ -98,6 +102,10 @@ def _decode_partition_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    # Each sequence spreads its own context over the grid's splits, in whole
+    # tiles: a grid sized for a longer context (a CUDA graph's) still puts
+    # every split to work on a short one.
+    partition_size = tl.maximum(tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N), 1) * BLOCK_N
     start = split * partition_size
     rows = tl.arange(0, GROUP_PAD)  # query heads of this KV head, padded for tl.dot
     row_mask = rows < GROUP
@@ -357,7 +365,7 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         *po_strides, *pl_strides,
-        partition_size, num_kv_heads,
+        num_kv_heads,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         GROUP_P2=max(2, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SINGLE_SPLIT=single, FUSED_REDUCE=fused,

@@ -149,6 +149,24 @@ def check_batch(batch: Batch, config=None) -> tuple[bool, float, str]:
     return True, err, ""
 
 
+def check_grid_above_lengths(gen: torch.Generator, dtype: torch.dtype, device: str,
+                             config=None) -> tuple[bool, float, str]:
+    """Decode with max_seq_len a bound far above the real lengths, as a CUDA
+    graph captured for the longest context runs it: the grid has the bound's
+    splits and each sequence spreads its context over all of them."""
+    from dataclasses import replace
+
+    from tandem.kernels.attention_triton import paged_attention_triton
+
+    b = make_batch(gen, [700, 200, 37, 1, 64], [1] * 5, 2, 4, 64, 16, dtype, device)
+    scale = 64 ** -0.5
+    meta = replace(b.meta, max_seq_len=4096)
+    out = paged_attention_triton(b.query, b.kv_cache, meta, scale, config)
+    err = rel_error(out, twin_attention(b.query, b.kv_cache, b.meta, scale))
+    tol = TOLERANCE[dtype]
+    return err <= tol, err, "" if err <= tol else f"attention: relative error {err:.2e} > {tol:.0e}"
+
+
 def check_padding_rows(gen: torch.Generator, dtype: torch.dtype, device: str,
                        config=None) -> tuple[bool, float, str]:
     """Decode rows of length 0 (a CUDA graph's padding) come out as zeros and leave
@@ -291,6 +309,13 @@ def run(size: str, seed: int, device: str, verbose: bool) -> int:
                 print("FAIL decode with padding rows", config.decode, dtype, why, flush=True)
             elif verbose:
                 print(f"ok   decode with padding rows {dtype}", flush=True)
+            ok, err, why = check_grid_above_lengths(gen, dtype, device, config)
+            count += 1
+            if not ok:
+                failures += 1
+                print("FAIL decode with a grid sized above the lengths", config.decode, dtype, why, flush=True)
+            elif verbose:
+                print(f"ok   decode with a grid sized above the lengths {dtype} err={err:.2e}", flush=True)
     if device == "cuda":
         for dtype in (torch.bfloat16, torch.float16):
             ok, err, why = check_decode_graph(gen, dtype)
