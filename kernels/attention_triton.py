@@ -81,7 +81,10 @@ def _num_sms(device: torch.device) -> int:
 
 def decode_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
                           cfg: DecodeConfig) -> int:
-    """Tokens per split: enough splits to give every SM work, none shorter than a tile.
+    """Tokens per split for a max_seq_len context: enough splits to give every
+    SM work, none shorter than a tile. It sets the grid's split count; the
+    kernel then cuts each sequence, however short, into that many partitions
+    of whole tiles (decode_attention_triton.py).
 
     A power of two times block_n, so a growing max_seq_len changes it (and the
     grid's third dimension) rarely.

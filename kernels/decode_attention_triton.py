@@ -330,6 +330,9 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     """out[i] = attention of query[i] ([num_heads, head_dim]) over sequence i's context.
 
     key_cache/value_cache are [num_blocks, block_size, num_kv_heads, head_dim].
+    partition_size: with max_seq_len, sets the grid's split count
+    (num_splits_of); each sequence then spreads its own context over those
+    splits (module docstring).
     fused_max_splits: with up to this many splits the partitions are combined
     inside the one launch (through split_counters), with more by a second kernel.
     reduce_chunk: at most this many partial results combined per loop step

@@ -3,8 +3,8 @@
 A batch of T tokens routed to k experts each is T * k (token, expert) rows.
 They are sorted by expert and each expert's run is padded to a multiple of
 BLOCK_M, so every BLOCK_M-row tile of the sorted order belongs to one expert
-(align_by_expert: one launch of one program for a decode step's rows, torch
-ops for more). Then:
+(align_by_expert: one launch for a decode step's rows, torch ops for more).
+Then:
 
 1. gate/up: one launch over all tiles; a tile multiplies its rows' hidden
    states by its expert's gate and up weights (two accumulators over the same
@@ -328,7 +328,7 @@ def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         hidden_size, inter, act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0) if fp8 else 0,
         out_rows.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8, **dots,
         num_warps=down_tiles.num_warps, num_stages=down_tiles.num_stages, **pdl_launch(hidden))
-    out = torch.empty_like(hidden)
+    out = torch.empty((tokens, hidden_size), dtype=hidden.dtype, device=hidden.device)
     block = min(1024, triton.next_power_of_2(hidden_size))
     _sum_rows_kernel[(tokens, triton.cdiv(hidden_size, block))](out_rows, out, hidden_size, TOP_K=top_k, BLOCK=block,
                                                                **pdl_launch(hidden))
