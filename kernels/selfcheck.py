@@ -300,22 +300,18 @@ def run(size: str, seed: int, device: str, verbose: bool) -> int:
         elif verbose:
             print("ok  ", line, flush=True)
     decode_configs = [c for c in configs if c is not None] or [AttentionConfig()]
+    decode_checks = (("decode with padding rows", check_padding_rows),
+                     ("decode with a grid sized above the lengths", check_grid_above_lengths))
     for config in decode_configs:  # each reduce path, and the single split
         for dtype in (torch.float32, torch.bfloat16):
-            ok, _, why = check_padding_rows(gen, dtype, device, config)
-            count += 1
-            if not ok:
-                failures += 1
-                print("FAIL decode with padding rows", config.decode, dtype, why, flush=True)
-            elif verbose:
-                print(f"ok   decode with padding rows {dtype}", flush=True)
-            ok, err, why = check_grid_above_lengths(gen, dtype, device, config)
-            count += 1
-            if not ok:
-                failures += 1
-                print("FAIL decode with a grid sized above the lengths", config.decode, dtype, why, flush=True)
-            elif verbose:
-                print(f"ok   decode with a grid sized above the lengths {dtype} err={err:.2e}", flush=True)
+            for what, check in decode_checks:
+                ok, err, why = check(gen, dtype, device, config)
+                count += 1
+                if not ok:
+                    failures += 1
+                    print("FAIL", what, config.decode, dtype, why, flush=True)
+                elif verbose:
+                    print(f"ok   {what} {dtype} err={err:.2e}", flush=True)
     if device == "cuda":
         for dtype in (torch.bfloat16, torch.float16):
             ok, err, why = check_decode_graph(gen, dtype)
