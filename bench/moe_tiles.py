@@ -53,7 +53,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from tandem.bench.latency import copy_bandwidth
     from tandem.bench.presets import preset_config
-    from tandem.engine.models.moe import MoEConfig
+    from tandem.engine.models.moe import MoEConfig, route
     from tandem.kernels.fp8_torch import quantize_stacked
     from tandem.kernels.fused_moe_triton import MoETiles, fused_moe_triton
 
@@ -80,7 +80,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         routes = []
         for _ in range(REPEAT):
             logits = torch.randn(tokens, experts, device=device, generator=gen)
-            routes.append(torch.topk(torch.softmax(logits, -1), moe.top_k, dim=-1))
+            routes.append(route(logits, moe))  # the model's routing (on CUDA its kernel)
         touched = sum(int(torch.unique(ids).numel()) for _, ids in routes) / REPEAT
         floor_us = touched * (w13[0].numel() + w2[0].numel()) * w13.element_size() / bandwidth * 1e6
 

@@ -126,7 +126,7 @@ def routing_cases(device: str):
 
     gen = torch.Generator().manual_seed(2)
     for tokens, experts, top_k, renormalize, weights_dtype in ROUTE_SHAPES:
-        # distinct logits in bf16 (steps of 0.05 up to 6.4 outlast its rounding), so no tie decides a choice
+        # distinct logits in bf16 (steps of 0.05 over [-3, 3.4) outlast its rounding), so no tie decides a choice
         logits = torch.stack([torch.randperm(experts, generator=gen) * 0.05 - 3.0 for _ in range(tokens)]) \
             if tokens else torch.zeros(0, experts)
         logits = logits.to(device=device, dtype=torch.bfloat16)
