@@ -318,6 +318,7 @@ def run_prefill(args: argparse.Namespace, ceilings: Ceilings, config=None,
     from triton.testing import do_bench
 
     from tandem.kernels.attention_triton import paged_attention_triton
+    from tandem.kernels.paged_attention_torch import write_kv_torch
     from tandem.kernels.selfcheck import make_batch, rel_error, twin_attention
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
@@ -328,11 +329,16 @@ def run_prefill(args: argparse.Namespace, ceilings: Ceilings, config=None,
         seq_len = q_len + prefix
         b = make_batch(gen, [seq_len], [q_len], args.num_kv_heads, group, args.head_dim,
                        args.block_size, dtype, "cuda")
+        # As the engine calls it: the new tokens' K/V written, then also handed over.
+        write_kv_torch(b.key, b.value, b.kv_cache, b.meta.slot_mapping)
         scale = args.head_dim ** -0.5
-        out = paged_attention_triton(b.query, b.kv_cache, b.meta, scale, config)
+
+        def attend():
+            return paged_attention_triton(b.query, b.kv_cache, b.meta, scale, config, new_kv=(b.key, b.value))
+
+        out = attend()
         err = rel_error(out, twin_attention(b.query, b.kv_cache, b.meta, scale)) if check else 0.0
-        ms = do_bench(lambda: paged_attention_triton(b.query, b.kv_cache, b.meta, scale, config),
-                      warmup=25, rep=200, return_mode="median")
+        ms = do_bench(attend, warmup=25, rep=200, return_mode="median")
         # visible keys summed over query rows: prefix for all, causal triangle for the new
         visible = q_len * prefix + q_len * (q_len + 1) / 2
         flops = 4 * visible * args.num_heads * args.head_dim
@@ -351,6 +357,7 @@ def run_mixed(args: argparse.Namespace, ceilings: Ceilings) -> list[MixedRow]:
     from triton.testing import do_bench
 
     from tandem.kernels.attention_triton import paged_attention_triton
+    from tandem.kernels.paged_attention_torch import write_kv_torch
     from tandem.kernels.selfcheck import make_batch, rel_error, twin_attention
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
@@ -361,11 +368,15 @@ def run_mixed(args: argparse.Namespace, ceilings: Ceilings) -> list[MixedRow]:
     for decodes, context, chunk, prefix in MIXED_SHAPES:
         b = make_batch(gen, [context] * decodes + [chunk + prefix], [1] * decodes + [chunk],
                        args.num_kv_heads, group, args.head_dim, args.block_size, dtype, "cuda")
+        write_kv_torch(b.key, b.value, b.kv_cache, b.meta.slot_mapping)
         scale = args.head_dim ** -0.5
-        out = paged_attention_triton(b.query, b.kv_cache, b.meta, scale)
+
+        def attend():
+            return paged_attention_triton(b.query, b.kv_cache, b.meta, scale, new_kv=(b.key, b.value))
+
+        out = attend()
         err = rel_error(out, twin_attention(b.query, b.kv_cache, b.meta, scale))
-        ms = do_bench(lambda: paged_attention_triton(b.query, b.kv_cache, b.meta, scale),
-                      warmup=25, rep=200, return_mode="median")
+        ms = do_bench(attend, warmup=25, rep=200, return_mode="median")
         gbps = (decodes * context + chunk + prefix) * token_bytes / (ms * 1e-3) / 1e9
         rows.append(MixedRow(decodes=decodes, decode_context=context, chunk=chunk, prefix=prefix,
                              ms=ms, kv_gbps=gbps, fraction_of_copy=gbps / ceilings.copy_gbps,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
@@ -22,7 +23,7 @@ from triton.runtime.errors import OutOfResources
 from tandem.kernels.cache_write import _check_head_dim
 from tandem.kernels.decode_attention_triton import DecodeChoices, decode_attention, decode_choices, num_splits_of
 from tandem.kernels.metadata import AttentionMetadata
-from tandem.kernels.prefill_attention_triton import prefill_attention
+from tandem.kernels.prefill_attention_triton import prefill_attention, tma_rows_usable
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +64,12 @@ class AttentionConfig:
     # taller tile is mostly wasted work (docs/benchmarks.md, 2026-11-27).
     prefill: PrefillConfig = PrefillConfig()
     # Launches whose sequences fill a tall tile on average (prompts): a taller
-    # tile reuses each KV tile it loads over more query rows. 128 x 128 tiles
-    # with 3 stages measured within 4% of these but 7% faster on a short chunk
-    # over a long prefix, in one H100 run; these are what the GPU tests ran.
-    long_prefill: PrefillConfig = PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+    # tile reuses each KV tile it loads over more query rows. With the new
+    # tokens' tiles read through tensor descriptors, 128 x 128 tiles in 3
+    # stages ran 1.4-1.5x faster than 128 x 64 in 2 over the block table, and
+    # over the block table alone they matched it (H200, docs/kernels.md,
+    # version 9).
+    long_prefill: PrefillConfig = PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
 
 
 DEFAULT_CONFIG = AttentionConfig()
@@ -125,11 +128,16 @@ def decode_variants(num_heads: int, num_kv_heads: int, head_dim: int, max_model_
 
 
 def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                           scale: float, config: AttentionConfig | None = None) -> torch.Tensor:
+                           scale: float, config: AttentionConfig | None = None,
+                           new_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """Attention of query [num_tokens, num_heads, head_dim] over the paged cache.
 
     The new tokens' K/V must already be in the cache (write_kv first).
     kv_cache is [2, num_blocks, block_size, num_kv_heads, head_dim] and dense.
+    new_kv: optionally the same K/V rows [num_tokens, num_kv_heads, head_dim]
+    that write_kv wrote. Prompt launches read their own tokens' tiles from
+    them through tensor descriptors where the GPU has TMA (tma_rows_usable),
+    instead of gathering every tile through the block table.
     """
     cfg = config or DEFAULT_CONFIG
     num_tokens, num_heads, head_dim = query.shape
@@ -155,29 +163,42 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, meta: At
                                 num_warps=d.num_warps, num_stages=d.num_stages,
                                 reduce_chunk=d.reduce_chunk, fused_max_splits=d.fused_max_splits)
     # Chosen from host ints only (a captured graph replays the same choice).
-    long_tiles = (query.device, query.dtype, head_dim, cfg.long_prefill)
-    if (long_tiles not in _LONG_TILES_TOO_BIG
-            and num_tokens * (num_heads // num_kv_heads) >= cfg.long_prefill.block_m * meta.num_seqs):
-        try:
-            return _prefill(query, key_cache, value_cache, meta, scale, out, cfg.long_prefill)
-        except OutOfResources as exc:
-            _LONG_TILES_TOO_BIG.add(long_tiles)
-            log.info("prefill attention: %s does not fit this GPU for %s, head_dim %d (%s); %s serves "
-                     "these launches", cfg.long_prefill, query.dtype, head_dim, exc, cfg.prefill)
+    if new_kv is not None and not all(tma_rows_usable(rows) for rows in new_kv):
+        new_kv = None
+    if num_tokens * (num_heads // num_kv_heads) >= cfg.long_prefill.block_m * meta.num_seqs:
+        # Descriptors stage whole tiles in shared memory: where that does not
+        # fit, the same tiles gathered through the block table may.
+        for kv in (new_kv, None) if new_kv is not None else (None,):
+            long_tiles = (query.device, query.dtype, head_dim, cfg.long_prefill, kv is not None)
+            if long_tiles in _LONG_TILES_TOO_BIG:
+                continue
+            try:
+                return _prefill(query, key_cache, value_cache, meta, scale, out, cfg.long_prefill, kv)
+            except OutOfResources as exc:
+                _LONG_TILES_TOO_BIG.add(long_tiles)
+                log.info("prefill attention: %s%s does not fit this GPU for %s, head_dim %d (%s)",
+                         cfg.long_prefill, " with descriptors" if kv is not None else "", query.dtype,
+                         head_dim, exc)
+    # Short launches (decodes beside a chunk) keep the block table for every
+    # tile: the descriptors were measured on prompts only.
     return _prefill(query, key_cache, value_cache, meta, scale, out, cfg.prefill)
 
 
-# (device, dtype, head_dim, tiles) whose long-prefill tiles need more shared
-# memory than the GPU has: Triton refuses them at their first launch (before
-# the engine serves: engine/kernel_warmup.py). Compiled by Triton 3.9, the
-# 128 x 64 tiles over bf16 at head_dim 256 need 112 KiB, more than the 99 KiB
-# of sm89 GPUs (L4, L40), where the 64 x 64 ones (72 KiB) fit.
+# (device, dtype, head_dim, tiles, with descriptors) whose long-prefill tiles
+# need more shared memory than the GPU has: Triton refuses them at their first
+# launch (before the engine serves: engine/kernel_warmup.py). Compiled by
+# Triton 3.9, the 128 x 128 tiles in 3 stages over bf16 need, at head_dim 128:
+# 225 KiB with descriptors (sm90, which allows 227), 64 KiB gathered (sm80,
+# sm89); at head_dim 256: 449 KiB with descriptors, 160 KiB gathered, which
+# fits an A100 (164) but not the 99 KiB of sm89 GPUs (L4, L40), where the
+# short tiles (72 KiB) serve.
 _LONG_TILES_TOO_BIG: set[tuple] = set()
 
 
 def _prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-             meta: AttentionMetadata, scale: float, out: torch.Tensor, tiles: PrefillConfig) -> torch.Tensor:
+             meta: AttentionMetadata, scale: float, out: torch.Tensor, tiles: PrefillConfig,
+             new_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     return prefill_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                              meta.query_start_loc, meta.max_query_len, scale, out,
                              block_m=tiles.block_m, block_n=tiles.block_n, num_warps=tiles.num_warps,
-                             num_stages=tiles.num_stages)
+                             num_stages=tiles.num_stages, new_kv=new_kv)

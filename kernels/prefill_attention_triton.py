@@ -10,15 +10,27 @@ query head) pair of the GQA group that shares kv_head: row r is token r //
 GROUP, head r % GROUP. So every KV tile gathered through the block table
 serves the whole group (GROUP times fewer KV reads than a program per query
 head, which matters for the decodes of a mixed batch), and an online softmax
-runs over BLOCK_N-token KV tiles up to the last position the rows can see.
+runs over BLOCK_N-token KV tiles up to the last position the rows can see:
+the cached prefix first, gathered through the block table, then the step's
+own tokens, causally. Those are gathered too, or, given `new_kv` (prompt
+launches on Hopper), loaded through tensor descriptors (TMA) from the key
+and value rows the projection wrote, which skips the gather's per-element
+addressing.
 Tiles beyond a sequence's rows exit at once, so the grid may be sized by
 meta.max_query_len.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
+
+try:  # Triton 3.4 and later
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
 
 from tandem.kernels.common_triton import dot_settings, mma
 
@@ -26,32 +38,35 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend_kv_tile(q, m_i, l_i, acc, tile, end, q_pos, bt_row, key_cache_ptr, value_cache_ptr,
-                    stride_cache_block, stride_cache_slot, head_off, dims, scale_log2,
-                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """The online softmax over the KV tile at `tile`: (m_i, l_i, acc) after it.
-    MASKED: the tile may reach past `end` or past some rows' own positions
-    (the diagonal); otherwise every row sees all of it and no mask is built.
-    m_i is in units of scaled scores (s * scale_log2), so that a score costs
-    one fused multiply-add before its exp2."""
-    kv_pos = tile + tl.arange(0, BLOCK_N)
+def _gather_kv_tile(key_cache_ptr, value_cache_ptr, bt_row, pos, valid, stride_cache_block,
+                    stride_cache_slot, head_off, dims, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """The K and V rows at positions `pos` of one sequence, through its block
+    table; MASKED: rows where `valid` is false read as zeros."""
     if MASKED:
-        kv_mask = kv_pos < end
-        block = tl.load(bt_row + kv_pos // BLOCK_SIZE, mask=kv_mask, other=0).to(tl.int64)
+        block = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     else:
-        block = tl.load(bt_row + kv_pos // BLOCK_SIZE).to(tl.int64)
-    offs = (block * stride_cache_block + (kv_pos % BLOCK_SIZE) * stride_cache_slot
+        block = tl.load(bt_row + pos // BLOCK_SIZE).to(tl.int64)
+    offs = (block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_slot
             + head_off)[:, None] + dims[None, :]
     if MASKED:
-        k = tl.load(key_cache_ptr + offs, mask=kv_mask[:, None], other=0.0)
-        v = tl.load(value_cache_ptr + offs, mask=kv_mask[:, None], other=0.0)
+        k = tl.load(key_cache_ptr + offs, mask=valid[:, None], other=0.0)
+        v = tl.load(value_cache_ptr + offs, mask=valid[:, None], other=0.0)
     else:
         k = tl.load(key_cache_ptr + offs)
         v = tl.load(value_cache_ptr + offs)
+    return k, v
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, m_i, l_i, acc, visible, scale_log2, MASKED: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """(m_i, l_i, acc) after one KV tile. MASKED: only scores where `visible`
+    [BLOCK_M, BLOCK_N] holds count; otherwise every row sees the whole tile
+    and no mask is built. m_i is in units of scaled scores (s * scale_log2),
+    so that a score costs one fused multiply-add before its exp2."""
     s = mma(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST)
     if MASKED:  # -inf stays -inf once scaled (scale_log2 > 0), and exp2 makes it 0
-        s = tl.where(kv_mask[None, :] & (kv_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s * scale_log2 - m_new[:, None])
@@ -65,7 +80,7 @@ def _attend_kv_tile(q, m_i, l_i, acc, tile, end, q_pos, bt_row, key_cache_ptr, v
 # (engine/kernel_warmup.py). It offsets the row of scalar block ids only.
 @triton.jit(do_not_specialize=["stride_bt_seq"])
 def _prefill_kernel(
-    q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    q_ptr, key_cache_ptr, value_cache_ptr, key_desc, value_desc, block_tables_ptr, seq_lens_ptr,
     query_start_loc_ptr, out_ptr,
     scale_log2,
     stride_q_tok, stride_q_head,
@@ -73,7 +88,7 @@ def _prefill_kernel(
     stride_bt_seq,
     stride_o_tok, stride_o_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NEW_KV_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     # The longest row tiles first: under causal attention a tile's work grows
@@ -93,7 +108,6 @@ def _prefill_kernel(
     rows = first_row + tl.arange(0, BLOCK_M)
     token = rows // GROUP  # index among this sequence's new tokens
     row_mask = token < q_len
-    q_pos = prefix_len + token
     dims = tl.arange(0, HEAD_DIM)
     tok = (q_begin + token).to(tl.int64)
     head = kv_head * GROUP + rows % GROUP
@@ -105,53 +119,118 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    # The last row of this tile sees positions up to prefix_len + its token index.
-    end = prefix_len + tl.minimum((first_row + BLOCK_M - 1) // GROUP + 1, q_len)
-    # Every row of the tile sees every position up to its first row's own: KV
-    # tiles wholly before it need neither bounds nor causal masks (most of a
-    # long prompt's tiles, and all of a prefix's).
-    unmasked_end = (prefix_len + first_row // GROUP + 1) // BLOCK_N * BLOCK_N
-    for tile in range(0, unmasked_end, BLOCK_N):
-        m_i, l_i, acc = _attend_kv_tile(
-            q, m_i, l_i, acc, tile, end, q_pos, bt_row, key_cache_ptr, value_cache_ptr,
-            stride_cache_block, stride_cache_slot, head_off, dims, scale_log2,
-            BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, DOT_UPCAST)
-    # The diagonal: every row sees position 0, so once a tile has been seen each
-    # m_i is finite and a fully masked row in a later tile contributes exp2(-inf) = 0.
-    for tile in range(unmasked_end, end, BLOCK_N):
-        m_i, l_i, acc = _attend_kv_tile(
-            q, m_i, l_i, acc, tile, end, q_pos, bt_row, key_cache_ptr, value_cache_ptr,
-            stride_cache_block, stride_cache_slot, head_off, dims, scale_log2,
-            BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, DOT_UPCAST)
+    offs_n = tl.arange(0, BLOCK_N)
+
+    # The cached prefix: every row sees all of it, so only its last tile, where
+    # it may end mid-tile, needs a mask.
+    whole_prefix_end = prefix_len // BLOCK_N * BLOCK_N
+    for tile in range(0, whole_prefix_end, BLOCK_N):
+        k, v = _gather_kv_tile(key_cache_ptr, value_cache_ptr, bt_row, tile + offs_n, None,
+                               stride_cache_block, stride_cache_slot, head_off, dims, BLOCK_SIZE, False)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, None, scale_log2, False,
+                                             DOT_PRECISION, DOT_UPCAST)
+    if whole_prefix_end < prefix_len:
+        pos = whole_prefix_end + offs_n
+        valid = pos < prefix_len
+        k, v = _gather_kv_tile(key_cache_ptr, value_cache_ptr, bt_row, pos, valid,
+                               stride_cache_block, stride_cache_slot, head_off, dims, BLOCK_SIZE, True)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, valid[None, :], scale_log2, True,
+                                             DOT_PRECISION, DOT_UPCAST)
+
+    # This step's own tokens, causally: new token j sits at position prefix_len + j.
+    # Every row sees token 0, so after the first tile each m_i is finite and a
+    # row fully masked in a later tile contributes exp2(-inf) = 0.
+    # NEW_KV_TMA: their K/V come from the step's own key/value rows through
+    # tensor descriptors (TMA on Hopper) instead of gathers through the block
+    # table (docs/kernels.md, version 9).
+    end_tok = tl.minimum((first_row + BLOCK_M - 1) // GROUP + 1, q_len)  # the tile's last row's token + 1
+    # Tokens wholly before the tile's first row's own are seen by every row: no mask.
+    unmasked_end = (first_row // GROUP + 1) // BLOCK_N * BLOCK_N
+    for j0 in range(0, unmasked_end, BLOCK_N):
+        if NEW_KV_TMA:
+            k = key_desc.load([q_begin + j0, kv_head * HEAD_DIM])
+            v = value_desc.load([q_begin + j0, kv_head * HEAD_DIM])
+        else:
+            k, v = _gather_kv_tile(key_cache_ptr, value_cache_ptr, bt_row, prefix_len + j0 + offs_n, None,
+                                   stride_cache_block, stride_cache_slot, head_off, dims, BLOCK_SIZE, False)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, None, scale_log2, False,
+                                             DOT_PRECISION, DOT_UPCAST)
+    for j0 in range(unmasked_end, end_tok, BLOCK_N):
+        j = j0 + offs_n
+        valid = j < end_tok
+        if NEW_KV_TMA:
+            # Rows past the sequence belong to the next one (or lie past the
+            # tensor, read as zeros): masked out of the scores, and V zeroed so
+            # that no junk value can turn a zero weight into NaN.
+            k = key_desc.load([q_begin + j0, kv_head * HEAD_DIM])
+            v = value_desc.load([q_begin + j0, kv_head * HEAD_DIM])
+            v = tl.where(valid[:, None], v, 0.0)
+        else:
+            k, v = _gather_kv_tile(key_cache_ptr, value_cache_ptr, bt_row, prefix_len + j, valid,
+                                   stride_cache_block, stride_cache_slot, head_off, dims, BLOCK_SIZE, True)
+        visible = valid[None, :] & (j[None, :] <= token[:, None])
+        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, visible, scale_log2, True,
+                                             DOT_PRECISION, DOT_UPCAST)
 
     acc = acc / l_i[:, None]
     o = out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :]
     tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
+def tma_rows_usable(rows: torch.Tensor) -> bool:
+    """Whether a [num_tokens, num_kv_heads, head_dim] tensor of K or V rows
+    (a view of a fused projection's output is fine) can be read through a
+    tensor descriptor: a GPU with TMA (Hopper or later), or the CPU
+    interpreter, which emulates descriptors; the heads of a row side by
+    side; the row stride and base 16-byte aligned, as TMA requires."""
+    if TensorDescriptor is None or rows.dim() != 3:
+        return False
+    if rows.is_cuda and torch.cuda.get_device_capability(rows.device)[0] < 9:
+        return False
+    size = rows.element_size()
+    return (rows.stride(2) == 1 and rows.stride(1) == rows.shape[2] and rows.shape[2] * size >= 16
+            and (rows.stride(0) * size) % 16 == 0 and rows.data_ptr() % 16 == 0)
+
+
+def _row_tiles(rows: torch.Tensor, block_n: int):
+    """A descriptor over rows viewed as [num_tokens, num_kv_heads * head_dim]
+    that loads [block_n, head_dim] tiles: block_n tokens of one KV head."""
+    tokens, heads, head_dim = rows.shape
+    return TensorDescriptor(rows, [tokens, heads * head_dim], [rows.stride(0), 1], [block_n, head_dim])
+
+
 def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       block_tables: torch.Tensor, seq_lens: torch.Tensor,
                       query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                       out: torch.Tensor, *, block_m: int, block_n: int, num_warps: int = 4,
-                      num_stages: int = 2) -> torch.Tensor:
+                      num_stages: int = 2,
+                      new_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """out = attention of the flattened query [num_tokens, num_heads, head_dim].
 
     key_cache/value_cache are [num_blocks, block_size, num_kv_heads, head_dim].
+    new_kv: this step's own key and value rows [num_tokens, num_kv_heads,
+    head_dim], the ones just written to the cache, each passing
+    tma_rows_usable; given, the new tokens' tiles are read from them through
+    tensor descriptors rather than gathered through the block table (the
+    cached prefix always is).
     """
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     num_seqs = seq_lens.shape[0]
     group = num_heads // num_kv_heads
     grid = (triton.cdiv(max(max_query_len, 1) * group, block_m), num_seqs, num_kv_heads)
+    key_desc = value_desc = None
+    if new_kv is not None:
+        key_desc, value_desc = (_row_tiles(rows, block_n) for rows in new_kv)
     _prefill_kernel[grid](
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
+        query, key_cache, value_cache, key_desc, value_desc, block_tables, seq_lens, query_start_loc, out,
         scale * LOG2E,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_M=block_m, BLOCK_N=block_n, NEW_KV_TMA=new_kv is not None,
         **dot_settings(query.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )

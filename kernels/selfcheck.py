@@ -138,6 +138,11 @@ def check_batch(batch: Batch, config=None) -> tuple[bool, float, str]:
     tol = TOLERANCE[query.dtype]
     if not err <= tol:
         return False, err, f"attention: relative error {err:.2e} > {tol:.0e}"
+    if not batch.meta.is_decode_only:
+        ok, err2, why = check_new_kv_rows(batch, cache, ref, config)
+        if not ok:
+            return False, err2, why
+        err = max(err, err2)
     if batch.meta.is_decode_only:
         # The fused split reduce keeps state between calls (its counters): a
         # second call must give the same bits and leave every counter at zero.
@@ -147,6 +152,43 @@ def check_batch(batch: Batch, config=None) -> tuple[bool, float, str]:
         if any(int(c.count_nonzero()) for c in _split_counters.values()):
             return False, err, "decode: split counters left non-zero"
     return True, err, ""
+
+
+def check_new_kv_rows(batch: Batch, cache: torch.Tensor, ref: torch.Tensor,
+                      config=None) -> tuple[bool, float, str]:
+    """The prefill kernel reading this step's own tokens' K/V through tensor
+    descriptors, with the prompt launches' tiles, against the twin's answer
+    `ref`. The rows are strided views of one fused q|k|v row per token, as a
+    fused projection leaves them; skipped where descriptors cannot be used
+    (a GPU without TMA) or the tiles do not fit its shared memory."""
+    from triton.runtime.errors import OutOfResources
+
+    from tandem.kernels.attention_triton import DEFAULT_CONFIG
+    from tandem.kernels.prefill_attention_triton import prefill_attention, tma_rows_usable
+
+    num_real = sum(batch.q_lens)
+    query, key, value = (t[:num_real].flatten(1) for t in (batch.query, batch.key, batch.value))
+    fused = torch.cat([query, key, value], dim=1)
+    num_heads, head_dim = batch.query.shape[1:]
+    q_width, kv_width = query.shape[1], key.shape[1]
+    rows = [fused[:, q_width + i * kv_width:q_width + (i + 1) * kv_width].unflatten(1, (-1, head_dim))
+            for i in range(2)]
+    if not all(tma_rows_usable(r) for r in rows):
+        return True, 0.0, ""
+    q = fused[:, :q_width].unflatten(1, (num_heads, head_dim))
+    tiles = (config or DEFAULT_CONFIG).long_prefill  # the launches that take descriptors
+    m = batch.meta
+    out = torch.empty_like(q)
+    try:
+        prefill_attention(q, cache[0], cache[1], m.block_tables, m.seq_lens, m.query_start_loc,
+                          m.max_query_len, head_dim ** -0.5, out, block_m=tiles.block_m,
+                          block_n=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+                          new_kv=(rows[0], rows[1]))
+    except OutOfResources:  # fp32 tiles staged whole: the engine gathers these (attention_triton.py)
+        return True, 0.0, ""
+    err = rel_error(out, ref)
+    tol = TOLERANCE[q.dtype]
+    return err <= tol, err, "" if err <= tol else f"attention, new K/V by descriptor: {err:.2e} > {tol:.0e}"
 
 
 def check_grid_above_lengths(gen: torch.Generator, dtype: torch.dtype, device: str,

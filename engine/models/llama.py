@@ -135,7 +135,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(q, k, cos, sin)  # HF's rotate-half convention
         write_kv(k, v, kv_cache, meta.slot_mapping)
-        out = paged_attention(q, kv_cache, meta, self.scale)
+        out = paged_attention(q, kv_cache, meta, self.scale, new_kv=(k, v))
         return all_reduce(self.o_proj(out.reshape(n, self.num_heads * self.head_dim)))
 
 

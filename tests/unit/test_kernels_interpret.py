@@ -47,7 +47,9 @@ def test_triton_kernels_match_torch_twins_under_interpreter(seed: int) -> None:
     # the same launch or in a second kernel, and the single-split path; each
     # called twice, the split counters left at zero), rows of length 0 as CUDA
     # graphs pad with, grids sized for far longer contexts than the batch has
-    # (as a CUDA graph runs them), and mixed decode + prefill-with-prefix batches.
+    # (as a CUDA graph runs them), and mixed decode + prefill-with-prefix batches,
+    # each also with its new tokens' K/V read through tensor descriptors from
+    # strided views of a fused q|k|v row (the prompt launches' path on Hopper).
     proc = run_selfcheck("--size", "small", "--seed", str(seed))
     report = proc.stdout + proc.stderr
     assert proc.returncode == 0, report
@@ -99,42 +101,48 @@ import torch
 from triton.runtime.errors import OutOfResources
 import tandem.kernels.attention_triton as at
 from tandem.kernels.attention_triton import AttentionConfig, PrefillConfig
+from tandem.kernels.paged_attention_torch import write_kv_torch
 from tandem.kernels.selfcheck import make_batch, rel_error, twin_attention
 
 cfg = AttentionConfig(prefill=PrefillConfig(block_m=16, block_n=16), long_prefill=PrefillConfig(block_m=32, block_n=16))
-launched, refuse = [], False
+launched, refuse = [], set()  # refuse: of "descriptors" (tall tiles with them), "tall" (tall tiles at all)
 real = at.prefill_attention
 
-def watched(*args, block_m, **kwargs):
-    launched.append(block_m)
-    if refuse and block_m == 32:
+def watched(*args, block_m, new_kv=None, **kwargs):
+    launched.append((block_m, new_kv is not None))
+    if block_m == 32 and ("tall" in refuse or ("descriptors" in refuse and new_kv is not None)):
         raise OutOfResources(1 << 17, 1 << 16, "shared memory")
-    return real(*args, block_m=block_m, **kwargs)
+    return real(*args, block_m=block_m, new_kv=new_kv, **kwargs)
 
 at.prefill_attention = watched
 gen = torch.Generator().manual_seed(0)
 shape = dict(num_kv_heads=2, group=4, head_dim=16, block_size=16, dtype=torch.float32, device="cpu")
 prompt = make_batch(gen, [40], [40], **shape)  # 40 tokens x 4 rows fill a 32-row tile
 mixed = make_batch(gen, [30, 30, 30, 50], [1, 1, 1, 3], **shape)  # 6 tokens over 4 sequences
+for b in (prompt, mixed):  # as the engine calls it: the new K/V in the cache and handed over
+    write_kv_torch(b.key, b.value, b.kv_cache, b.meta.slot_mapping)
 
 def attend(b):
     launched.clear()
-    out = at.paged_attention_triton(b.query, b.kv_cache, b.meta, 0.25, cfg)
+    out = at.paged_attention_triton(b.query, b.kv_cache, b.meta, 0.25, cfg, new_kv=(b.key, b.value))
     err = rel_error(out, twin_attention(b.query, b.kv_cache, b.meta, 0.25))
     assert err < 1e-5, err
     return list(launched)
 
-assert attend(prompt) == [32], launched
-assert attend(mixed) == [16], launched
-refuse = True
-assert attend(prompt) == [32, 16], launched  # refused, then the short tiles
-assert attend(prompt) == [16], launched  # not tried again
+assert attend(prompt) == [(32, True)], launched
+assert attend(mixed) == [(16, False)], launched  # short launches gather every tile
+refuse.add("descriptors")
+assert attend(prompt) == [(32, True), (32, False)], launched  # refused, then the same tiles gathered
+assert attend(prompt) == [(32, False)], launched  # not tried again
+refuse.add("tall")
+assert attend(prompt) == [(32, False), (16, False)], launched  # then the short tiles
+assert attend(prompt) == [(16, False)], launched
 print("tile choice ok")
 """
 
 
 @pytest.mark.timeout(120)
-def test_prompts_take_the_tall_prefill_tiles_and_fall_back_where_they_do_not_fit() -> None:
+def test_prompts_take_the_tall_prefill_tiles_with_descriptors_and_fall_back_where_they_do_not_fit() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-c", TILE_CHOICE], env=env, capture_output=True, text=True, timeout=100)
     assert proc.returncode == 0, proc.stdout + proc.stderr
