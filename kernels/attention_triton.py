@@ -163,7 +163,8 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, meta: At
                                 num_warps=d.num_warps, num_stages=d.num_stages,
                                 reduce_chunk=d.reduce_chunk, fused_max_splits=d.fused_max_splits)
     # Chosen from host ints only (a captured graph replays the same choice).
-    if new_kv is not None and not all(tma_rows_usable(rows) for rows in new_kv):
+    if new_kv is not None and not all(tma_rows_usable(rows) and rows.dtype == key_cache.dtype
+                                      for rows in new_kv):
         new_kv = None
     if num_tokens * (num_heads // num_kv_heads) >= cfg.long_prefill.block_m * meta.num_seqs:
         # Descriptors stage whole tiles in shared memory: where that does not

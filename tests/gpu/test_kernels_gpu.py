@@ -1,8 +1,10 @@
 """The Triton paged-attention kernels agree with their torch twins on CUDA, at full sizes.
 
 Contexts 1..4k, batches up to 256, GQA ratios 1/3/4, head dims 64/128, block
-sizes 16/32, bf16/fp16/fp32, decode-only and mixed batches, and the decode
-path replayed from a CUDA graph after its lengths and tables changed.
+sizes 16/32, bf16/fp16/fp32, decode-only and mixed batches (each mixed one
+also with its new tokens' K/V read through tensor descriptors, on Hopper),
+and the decode path replayed from a CUDA graph after its lengths and tables
+changed.
 """
 from __future__ import annotations
 
