@@ -41,6 +41,13 @@ class Lane:
 LANES = (Lane("e2e", ("tests/e2e",)), Lane("unit", ("tests/unit", "tests/gpu")))
 SOLO = Lane("solo", ("tests/unit", "tests/gpu", "tests/e2e"))
 LANE_ENV = "TANDEM_TEST_LANE"  # tests/conftest.py: "shared" leaves solo tests out, "solo" runs only them
+# Side by side, the lanes' processes (a pytest computing, a stack's engines)
+# ask for more torch threads than there are cores. OpenMP's default has an
+# idle thread spin before it sleeps, taking the core another process needs;
+# passive threads sleep at once. On dev, the unit lane's async-scheduling
+# tests beside an e2e load test: 77-80 s spinning, 59-68 s passive, two runs
+# each (docs/benchmarks.md, the fourteenth session). A value already set wins.
+SHARED_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 NO_TESTS_COLLECTED = 5  # pytest's exit status when a run selects nothing
 _stopped: list[int] = []  # the signal that stopped the lanes, if one did
 
@@ -57,8 +64,10 @@ def _forward(lane: Lane, width: int, stream, lock: threading.Lock) -> None:
             sys.stdout.flush()
 
 
-def run_lanes(lanes: tuple[Lane, ...], pytest_args: list[str], lane_env: str = "") -> int:
-    """The lanes' pytest processes at once; lane_env: LANE_ENV's value for them."""
+def run_lanes(lanes: tuple[Lane, ...], pytest_args: list[str], lane_env: str = "",
+              extra_env: dict[str, str] | None = None) -> int:
+    """The lanes' pytest processes at once; lane_env: LANE_ENV's value for them;
+    extra_env: variables they get unless the environment already sets them."""
     lock = threading.Lock()
     width = max(len(lane.name) for lane in lanes)
     procs: list[tuple[Lane, subprocess.Popen, threading.Thread, float]] = []
@@ -66,7 +75,8 @@ def run_lanes(lanes: tuple[Lane, ...], pytest_args: list[str], lane_env: str = "
         # Unbuffered: into a pipe, a lane's progress would come in 8 KiB bursts, minutes apart.
         proc = subprocess.Popen([sys.executable, "-m", "pytest", *lane.paths, *pytest_args], cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", LANE_ENV: lane_env})
+                                env={**(extra_env or {}), **os.environ, "PYTHONUNBUFFERED": "1",
+                                     LANE_ENV: lane_env})
         reader = threading.Thread(target=_forward, args=(lane, width, proc.stdout, lock), daemon=True)
         reader.start()
         procs.append((lane, proc, reader, time.monotonic()))
@@ -103,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     _, rest = parser.parse_known_args(argv)
     if any(names_tests(a) for a in rest):
         return subprocess.call([sys.executable, "-m", "pytest", *rest], cwd=ROOT)
-    shared = run_lanes(LANES, rest, lane_env="shared")
+    shared = run_lanes(LANES, rest, lane_env="shared", extra_env=SHARED_ENV)
     if _stopped:
         return shared or 1
     solo = run_lanes((SOLO,), rest, lane_env="solo")

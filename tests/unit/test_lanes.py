@@ -37,6 +37,18 @@ def test_both_lanes_passing_is_a_pass(tmp_path, capfd):
     assert run_lanes((Lane("one", (one,)), Lane("two", (two,))), ["-q", "-p", "no:cacheprovider"]) == 0
 
 
+def test_lanes_get_their_extra_environment_unless_it_is_already_set(tmp_path, monkeypatch):
+    body = ("import os\n\ndef test_env():\n"
+            "    assert os.environ['TANDEM_LANES_PROBE'] == {!r}\n")
+    monkeypatch.delenv("TANDEM_LANES_PROBE", raising=False)
+    given = write_lane(tmp_path / "given", "given", body.format("from the runner"))
+    extra = {"TANDEM_LANES_PROBE": "from the runner"}
+    assert run_lanes((Lane("given", (given,)),), ["-q", "-p", "no:cacheprovider"], extra_env=extra) == 0
+    monkeypatch.setenv("TANDEM_LANES_PROBE", "from the user")
+    kept = write_lane(tmp_path / "kept", "kept", body.format("from the user"))
+    assert run_lanes((Lane("kept", (kept,)),), ["-q", "-p", "no:cacheprovider"], extra_env=extra) == 0
+
+
 def test_arguments_naming_tests_run_one_pytest_process():
     assert names_tests("tests/unit/test_lanes.py::test_both_lanes_passing_is_a_pass")
     assert names_tests("tests/e2e")
