@@ -163,10 +163,10 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, meta: At
                                 num_warps=d.num_warps, num_stages=d.num_stages,
                                 reduce_chunk=d.reduce_chunk, fused_max_splits=d.fused_max_splits)
     # Chosen from host ints only (a captured graph replays the same choice).
-    if new_kv is not None and not all(tma_rows_usable(rows) and rows.dtype == key_cache.dtype
-                                      for rows in new_kv):
-        new_kv = None
     if num_tokens * (num_heads // num_kv_heads) >= cfg.long_prefill.block_m * meta.num_seqs:
+        if new_kv is not None and not all(tma_rows_usable(rows) and rows.dtype == key_cache.dtype
+                                          for rows in new_kv):
+            new_kv = None
         # Descriptors stage whole tiles in shared memory: where that does not
         # fit, the same tiles gathered through the block table may.
         for kv in (new_kv, None) if new_kv is not None else (None,):

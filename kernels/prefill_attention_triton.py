@@ -21,6 +21,7 @@ meta.max_query_len.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -185,11 +186,16 @@ def tma_rows_usable(rows: torch.Tensor) -> bool:
     side; the row stride and base 16-byte aligned, as TMA requires."""
     if TensorDescriptor is None or rows.dim() != 3:
         return False
-    if rows.is_cuda and torch.cuda.get_device_capability(rows.device)[0] < 9:
+    if rows.is_cuda and not _has_tma(rows.device):
         return False
     size = rows.element_size()
     return (rows.stride(2) == 1 and rows.stride(1) == rows.shape[2] and rows.shape[2] * size >= 16
             and (rows.stride(0) * size) % 16 == 0 and rows.data_ptr() % 16 == 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _has_tma(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _row_tiles(rows: torch.Tensor, block_n: int):

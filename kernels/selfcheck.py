@@ -140,17 +140,14 @@ def check_batch(batch: Batch, config=None) -> tuple[bool, float, str]:
         return False, err, f"attention: relative error {err:.2e} > {tol:.0e}"
     if not batch.meta.is_decode_only:
         ok, err2, why = check_new_kv_rows(batch, cache, ref, config)
-        if not ok:
-            return False, err2, why
-        err = max(err, err2)
-    if batch.meta.is_decode_only:
-        # The fused split reduce keeps state between calls (its counters): a
-        # second call must give the same bits and leave every counter at zero.
-        again = paged_attention_triton(query, cache, batch.meta, scale, config)
-        if not torch.equal(again, out):
-            return False, err, "decode: a second call gave a different result"
-        if any(int(c.count_nonzero()) for c in _split_counters.values()):
-            return False, err, "decode: split counters left non-zero"
+        return ok, max(err, err2), why
+    # The fused split reduce keeps state between calls (its counters): a
+    # second call must give the same bits and leave every counter at zero.
+    again = paged_attention_triton(query, cache, batch.meta, scale, config)
+    if not torch.equal(again, out):
+        return False, err, "decode: a second call gave a different result"
+    if any(int(c.count_nonzero()) for c in _split_counters.values()):
+        return False, err, "decode: split counters left non-zero"
     return True, err, ""
 
 
@@ -183,7 +180,7 @@ def check_new_kv_rows(batch: Batch, cache: torch.Tensor, ref: torch.Tensor,
         prefill_attention(q, cache[0], cache[1], m.block_tables, m.seq_lens, m.query_start_loc,
                           m.max_query_len, head_dim ** -0.5, out, block_m=tiles.block_m,
                           block_n=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-                          new_kv=(rows[0], rows[1]))
+                          new_kv=tuple(rows))
     except OutOfResources:  # fp32 tiles staged whole: the engine gathers these (attention_triton.py)
         return True, 0.0, ""
     err = rel_error(out, ref)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import random
+import time
 
 import pytest
 
@@ -153,8 +154,25 @@ def store_backed(store, **kwargs) -> LLM:
                kv_store=BlockStoreClient(store.target, timeout_s=10.0), **kwargs)
 
 
-def test_smollm2_preemption_swaps_to_the_host_tier_beside_the_kv_store(smol, kv_store):
+def lookups_before_admission(llm: LLM, monkeypatch) -> None:
+    """Each request's store lookup ends before it can be admitted. Otherwise
+    the long prompts, which look up, wait while the short ones, which have
+    no full block to look up, run: on a busy machine the short ones could
+    finish first and nothing would ever be preempted (it happened in CI)."""
+    connector = llm.engine.connector
+    prefetch = connector.prefetch
+
+    def prefetch_and_wait(request, num_local_hit_tokens: int) -> None:
+        prefetch(request, num_local_hit_tokens)
+        while not connector.is_ready(request):
+            time.sleep(0.005)
+
+    monkeypatch.setattr(connector, "prefetch", prefetch_and_wait)
+
+
+def test_smollm2_preemption_swaps_to_the_host_tier_beside_the_kv_store(smol, kv_store, monkeypatch):
     llm = store_backed(kv_store, num_blocks=41, swap_space=200 * SMOL_BLOCK_GIB)
+    lookups_before_admission(llm, monkeypatch)
     outputs = run_engine(llm, smol["prompts"])
     check_against_oracle(outputs, smol["refs"], exact=True)
     stats = llm.engine.stats()
