@@ -166,13 +166,11 @@ def check_new_kv_rows(batch: Batch, cache: torch.Tensor, ref: torch.Tensor,
     num_real = sum(batch.q_lens)
     query, key, value = (t[:num_real].flatten(1) for t in (batch.query, batch.key, batch.value))
     fused = torch.cat([query, key, value], dim=1)
-    num_heads, head_dim = batch.query.shape[1:]
-    q_width, kv_width = query.shape[1], key.shape[1]
-    rows = [fused[:, q_width + i * kv_width:q_width + (i + 1) * kv_width].unflatten(1, (-1, head_dim))
-            for i in range(2)]
+    head_dim = batch.query.shape[2]
+    q, *rows = (part.unflatten(1, (-1, head_dim))
+                for part in fused.split([query.shape[1], key.shape[1], value.shape[1]], dim=1))
     if not all(tma_rows_usable(r) for r in rows):
         return True, 0.0, ""
-    q = fused[:, :q_width].unflatten(1, (num_heads, head_dim))
     tiles = (config or DEFAULT_CONFIG).long_prefill  # the launches that take descriptors
     m = batch.meta
     out = torch.empty_like(q)
