@@ -9,6 +9,11 @@ import triton
 import triton.language as tl
 
 
+def interpreted() -> bool:
+    """Whether Triton's CPU interpreter runs the kernels (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def dot_settings(dtype: torch.dtype) -> dict:
     """Constexpr arguments for `mma` given the operands' dtype.
 
@@ -19,10 +24,9 @@ def dot_settings(dtype: torch.dtype) -> dict:
     fp32, so the numbers match what the GPU's bf16 MMA with fp32 accumulation
     gives. The GPU never takes that branch.
     """
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     return {
         "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
-        "DOT_UPCAST": interpreted and dtype == torch.bfloat16,
+        "DOT_UPCAST": interpreted() and dtype == torch.bfloat16,
     }
 
 
@@ -46,7 +50,7 @@ PDL_ENV = "TANDEM_PDL"
 
 @functools.lru_cache(maxsize=None)
 def _pdl_on(device_index: int) -> bool:
-    if os.environ.get(PDL_ENV, "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+    if os.environ.get(PDL_ENV, "1") == "0" or interpreted():
         return False
     import dataclasses
 

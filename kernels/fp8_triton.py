@@ -26,13 +26,33 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.common_triton import pdl_launch, pdl_prologue
+from tandem.kernels.common_triton import interpreted, pdl_launch, pdl_prologue
 from tandem.kernels.fp8_torch import FP8_DTYPE, FP8_MAX, INV_FP8_MAX, MIN_SCALE, WEIGHT_ONLY_MAX_ROWS
 
 
 @triton.jit
+def _to_e4m3(v, q_dtype, ROUND_BY_HAND: tl.constexpr):
+    """fp32 v, already within e4m3's range, rounded to the nearest e4m3 value
+    (ties to even), as torch's cast does.
+
+    ROUND_BY_HAND (Triton's CPU interpreter, whose fp32 -> e4m3 cast is wrong
+    when rounding carries into the next power of two: 125.1 becomes 64):
+    round on e4m3's grid in fp32 first, so the cast meets exact values only.
+    The grid's step at |v| is 2^(exponent - 3), 2^-9 among the subnormals;
+    adding and taking away 1.5 * 2^23 rounds v / step (under 16) to an
+    integer, ties to even. The GPU's cast does this itself."""
+    if ROUND_BY_HAND:
+        exponent = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6) - 3
+        step = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+        inv_step = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
+        v = ((v * inv_step + 12582912.0) - 12582912.0) * step
+    return v.to(q_dtype)
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n_cols, fp8_max, inv_fp8_max, min_scale,
-                          BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr):
+                          BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, ROUND_BY_HAND: tl.constexpr,
+                          PDL: tl.constexpr):
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
@@ -42,8 +62,8 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n_cols, f
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
         scale = tl.maximum(tl.max(tl.abs(x), axis=0) * inv_fp8_max, min_scale)
         tl.store(scale_ptr + row, scale)
-        q = tl.clamp(tl.div_rn(x, scale), -fp8_max, fp8_max)
-        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        q = _to_e4m3(tl.clamp(tl.div_rn(x, scale), -fp8_max, fp8_max), q_ptr.dtype.element_ty, ROUND_BY_HAND)
+        tl.store(q_ptr + row * stride_q + cols, q, mask=mask)
         return
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, n_cols, BLOCK):
@@ -56,8 +76,8 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n_cols, f
         cols = start + tl.arange(0, BLOCK)
         mask = cols < n_cols
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.div_rn(x, scale), -fp8_max, fp8_max)
-        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        q = _to_e4m3(tl.clamp(tl.div_rn(x, scale), -fp8_max, fp8_max), q_ptr.dtype.element_ty, ROUND_BY_HAND)
+        tl.store(q_ptr + row * stride_q + cols, q, mask=mask)
 
 
 def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +95,8 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         block = triton.next_power_of_2(k) if one_pass else 4096
         warps = 16 if block >= 8192 else 8 if block >= 2048 else 4
         _quantize_rows_kernel[(m,)](x, q, scale, x.stride(0), q.stride(0), k, FP8_MAX, INV_FP8_MAX, MIN_SCALE,
-                                    BLOCK=block, ONE_PASS=one_pass, **pdl_launch(x), num_warps=warps)
+                                    BLOCK=block, ONE_PASS=one_pass, ROUND_BY_HAND=interpreted(), **pdl_launch(x),
+                                    num_warps=warps)
     return q, scale
 
 
