@@ -13,7 +13,7 @@ them; the median replay (triton.testing.do_bench) over REPEAT. Timed eagerly
 the layer is bound by the host's launches (about 1 ms a call on an H200,
 against a floor of 18 us at one token).
 
-    python -m tandem.bench.moe_tiles --preset qwen3-30b-a3b --tokens 1,8,64,256 [--fp8]
+    python -m tandem.bench.moe_tiles --preset qwen3-30b-a3b --tokens 1,8,64,256 [--fp8 [--activations fp8]]
 """
 from __future__ import annotations
 
@@ -44,6 +44,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--preset", default="qwen3-30b-a3b", help="an MoE preset of bench/presets.py")
     parser.add_argument("--tokens", default="1,8,64,256", help="batch sizes (tokens a step), comma-separated")
     parser.add_argument("--fp8", action="store_true", help="e4m3 experts (engine/fp8.py's form)")
+    parser.add_argument("--activations", choices=("fp8", "model"), default="fp8",
+                        help="with --fp8: quantize the activations per row (fp8, W8A8, what the engine runs) "
+                             "or keep them in bf16 (model, W8A16, for comparison)")
     parser.add_argument("--grid", default=DEFAULT_GRID,
                         help="candidate tiles: BLOCK_N values:BLOCK_K values:WARPSxSTAGES pairs")
     args = parser.parse_args(argv)
@@ -68,13 +71,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     w13 = torch.randn(experts, 2 * inter, hidden, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
     w2 = torch.randn(experts, hidden, inter, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
     scales: tuple = ()
+    fp8_activations = args.activations == "fp8"
     if args.fp8:
         (w13, s13), (w2, s2) = quantize_stacked(w13), quantize_stacked(w2)
         scales = (s13, s2)
     bandwidth = copy_bandwidth(device)
     grid = parse_grid(args.grid)
     print(f"{args.preset}: {experts} experts, top-{moe.top_k}, hidden {hidden}, expert width {inter}, "
-          f"{'e4m3' if args.fp8 else 'bf16'} weights; copy bandwidth {bandwidth / 1e12:.3f} TB/s")
+          f"{f'e4m3 weights, activations: {args.activations}' if args.fp8 else 'bf16 weights'}; copy bandwidth {bandwidth / 1e12:.3f} TB/s")
     for tokens in [int(t) for t in args.tokens.split(",")]:
         x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, generator=gen)
         routes = []
@@ -86,7 +90,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         def layers(gate_up: Optional[MoETiles], down: Optional[MoETiles]) -> None:
             for weights, ids in routes:
-                fused_moe_triton(x, w13, w2, weights, ids, *scales, gate_up_tiles=gate_up, down_tiles=down)
+                fused_moe_triton(x, w13, w2, weights, ids, *scales, gate_up_tiles=gate_up, down_tiles=down,
+                                 fp8_activations=fp8_activations)
 
         def timed(gate_up: Optional[MoETiles], down: Optional[MoETiles]) -> float:
             try:

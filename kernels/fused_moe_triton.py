@@ -23,10 +23,19 @@ grid is sized for that bound, and tiles past the real end exit at once.
 Twin: fused_moe_torch.py. Rounding to the activation dtype happens where the
 twin (and HF transformers) rounds; accumulation is fp32.
 
-FP8 experts (e4m3 weights, an fp32 scale per expert and output channel): a
-tile's e4m3 weights are widened to the activation dtype (exact) on their way
-into the same products, and each accumulated column is scaled by its channel's
-scale before the rounding. Half the weight bytes; the same launches.
+FP8 experts (e4m3 weights, an fp32 scale per expert and output channel),
+the same launches either way:
+- W8A8 (always; fused_moe_torch.py says why): the hidden states, then gate/up's output, are quantized per row
+  (fp8_triton.quantize_rows_triton: a launch each, before each GEMM), so the
+  products run on the FP8 tensor cores with no widening of the weights.
+  Quantizing in the GEMMs instead, as each tile is loaded, repeats a row's
+  division for every program of its columns: on an H200 that layer ran 2-4x
+  slower than W8A16 (docs/benchmarks.md).
+- W8A16 (fp8_activations=False, for comparison): a tile's e4m3 weights are
+  widened to the activation dtype (exact) on their way into the model
+  dtype's products.
+Each accumulated column is scaled by its row's scale (W8A8) and its
+channel's before the rounding, in the twin's order.
 """
 from __future__ import annotations
 
@@ -38,6 +47,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.common_triton import dot_settings, mma, pdl_launch, pdl_prologue
+from tandem.kernels.fp8_triton import quantize_rows_triton
 
 
 def align_by_expert_torch(topk_ids: torch.Tensor, num_experts: int,
@@ -157,11 +167,11 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int,
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, rows_ptr, experts_ptr,
+def _gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, scale_ptr, out_ptr, rows_ptr, experts_ptr,
                     num_rows, num_experts, top_k, hidden, inter,
                     stride_x, stride_we, stride_wn, stride_se, stride_out,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+                    FP8: tl.constexpr, A8: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
                     PDL: tl.constexpr):
     pdl_prologue(PDL)
     tile = tl.program_id(0)
@@ -185,11 +195,15 @@ def _gate_up_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, rows_ptr, experts_ptr,
         # [BLOCK_K, BLOCK_N] tiles of W^T: gate rows `cols`, up rows `inter + cols`
         b_gate = tl.load(w + cols[None, :] * stride_wn + ks[:, None], mask=b_mask, other=0.0)
         b_up = tl.load(w + (inter + cols)[None, :] * stride_wn + ks[:, None], mask=b_mask, other=0.0)
-        if FP8:
+        if FP8 and not A8:
             b_gate = b_gate.to(a.dtype)
             b_up = b_up.to(a.dtype)
         acc_gate += mma(a, b_gate, DOT_PRECISION, DOT_UPCAST)
         acc_up += mma(a, b_up, DOT_PRECISION, DOT_UPCAST)
+    if A8:
+        row_scale = tl.load(x_scale_ptr + tokens, mask=row_ok, other=0.0)[:, None]
+        acc_gate *= row_scale
+        acc_up *= row_scale
     if FP8:
         scales = scale_ptr + expert * stride_se
         acc_gate *= tl.load(scales + cols, mask=col_ok, other=0.0)[None, :]
@@ -203,11 +217,11 @@ def _gate_up_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, rows_ptr, experts_ptr,
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, scale_ptr, out_ptr, weights_ptr, rows_ptr, experts_ptr,
+def _down_kernel(act_ptr, act_scale_ptr, w_ptr, scale_ptr, out_ptr, weights_ptr, rows_ptr, experts_ptr,
                  num_rows, num_experts, hidden, inter,
                  stride_act, stride_we, stride_wn, stride_se, stride_out,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+                 FP8: tl.constexpr, A8: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
                  PDL: tl.constexpr):
     pdl_prologue(PDL)
     tile = tl.program_id(0)
@@ -226,9 +240,11 @@ def _down_kernel(act_ptr, w_ptr, scale_ptr, out_ptr, weights_ptr, rows_ptr, expe
         a = tl.load(act_ptr + rows[:, None] * stride_act + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)
         b = tl.load(w + cols[None, :] * stride_wn + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if FP8:
+        if FP8 and not A8:
             b = b.to(a.dtype)
         acc += mma(a, b, DOT_PRECISION, DOT_UPCAST)
+    if A8:
+        acc *= tl.load(act_scale_ptr + rows, mask=row_ok, other=0.0)[:, None]
     if FP8:
         acc *= tl.load(scale_ptr + expert * stride_se + cols, mask=col_ok, other=0.0)[None, :]
     dtype = out_ptr.dtype.element_ty
@@ -267,8 +283,11 @@ class MoETiles:
     num_warps: int = 4
     num_stages: int = 3
 
-    def resolved(self, n: int, k: int) -> tuple[int, int]:
-        return self.block_n or _block(n, 64), self.block_k or _block(k, 64)
+    def resolved(self, n: int, k: int, fp8_products: bool = False) -> tuple[int, int]:
+        """(BLOCK_N, BLOCK_K) for n output and k reduction columns. FP8
+        tensor-core products take at least 32 reduction columns a step."""
+        block_k = self.block_k or _block(k, 64)
+        return self.block_n or _block(n, 64), max(32, block_k) if fp8_products else block_k
 
 
 # FP8 experts' tiles: narrower and deeper than bf16's, so more programs keep
@@ -284,10 +303,12 @@ FP8_DOWN_TILES = MoETiles(block_n=64, block_k=128, num_warps=4, num_stages=3)
 def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                      w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
-                     gate_up_tiles: Optional[MoETiles] = None, down_tiles: Optional[MoETiles] = None) -> torch.Tensor:
+                     gate_up_tiles: Optional[MoETiles] = None, down_tiles: Optional[MoETiles] = None,
+                     fp8_activations: bool = True) -> torch.Tensor:
     """Same contract as fused_moe_torch: hidden [T, H]; w13 [E, 2I, H]; w2
     [E, H, I]; topk_weights, topk_ids [T, k]; for e4m3 experts, fp32 scales
-    w13_scale [E, 2I] and w2_scale [E, H]. Returns [T, H]."""
+    w13_scale [E, 2I] and w2_scale [E, H], and fp8_activations=False for
+    W8A16 instead of W8A8. Returns [T, H]."""
     tokens, hidden_size = hidden.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
@@ -308,6 +329,7 @@ def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          f"fit {num_experts} experts of {2 * inter} and {hidden_size} channels")
     if tokens == 0:
         return torch.zeros_like(hidden)
+    a8 = fp8 and fp8_activations
     num_rows = tokens * top_k
     # A tile holds one expert's rows: small tiles when experts get few rows each (decode).
     block_m = _block(num_rows // num_experts, 64)
@@ -315,18 +337,22 @@ def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     weights = topk_weights.reshape(-1)  # widened to fp32 in the down kernel
     dots = dot_settings(hidden.dtype)
     act = torch.empty((num_rows, inter), dtype=hidden.dtype, device=hidden.device)
-    block_n, block_k = gate_up_tiles.resolved(inter, hidden_size)
+    block_n, block_k = gate_up_tiles.resolved(inter, hidden_size, a8)
+    # W8A8: each token's hidden state quantized once (not in every program
+    # that reads it), the kernel given the e4m3 rows and their scales.
+    x, x_scale = quantize_rows_triton(hidden) if a8 else (hidden, hidden)
     _gate_up_kernel[(tile_experts.numel(), triton.cdiv(inter, block_n))](
-        hidden, w13, w13_scale if fp8 else w13, act, sorted_rows, tile_experts, num_rows, num_experts, top_k,
-        hidden_size, inter, hidden.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0) if fp8 else 0,
-        act.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8, **dots,
+        x, x_scale, w13, w13_scale if fp8 else w13, act, sorted_rows, tile_experts, num_rows, num_experts, top_k,
+        hidden_size, inter, x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0) if fp8 else 0,
+        act.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8, A8=a8, **dots,
         num_warps=gate_up_tiles.num_warps, num_stages=gate_up_tiles.num_stages, **pdl_launch(hidden))
     out_rows = torch.empty((num_rows, hidden_size), dtype=hidden.dtype, device=hidden.device)
-    block_n, block_k = down_tiles.resolved(hidden_size, inter)
+    block_n, block_k = down_tiles.resolved(hidden_size, inter, a8)
+    act, act_scale = quantize_rows_triton(act) if a8 else (act, act)
     _down_kernel[(tile_experts.numel(), triton.cdiv(hidden_size, block_n))](
-        act, w2, w2_scale if fp8 else w2, out_rows, weights, sorted_rows, tile_experts, num_rows, num_experts,
-        hidden_size, inter, act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0) if fp8 else 0,
-        out_rows.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8, **dots,
+        act, act_scale, w2, w2_scale if fp8 else w2, out_rows, weights, sorted_rows, tile_experts, num_rows,
+        num_experts, hidden_size, inter, act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0) if fp8 else 0,
+        out_rows.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8, A8=a8, **dots,
         num_warps=down_tiles.num_warps, num_stages=down_tiles.num_stages, **pdl_launch(hidden))
     out = torch.empty((tokens, hidden_size), dtype=hidden.dtype, device=hidden.device)
     block = min(1024, triton.next_power_of_2(hidden_size))

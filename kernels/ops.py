@@ -114,7 +114,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
               topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
               w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Each token's top-k experts' SwiGLU MLPs, weighted and summed (e4m3
-    experts when the scales are given); see fused_moe_torch.py."""
+    experts and activations when the scales are given); see fused_moe_torch.py."""
     if _use_triton(hidden):
         from tandem.kernels.fused_moe_triton import fused_moe_triton
 

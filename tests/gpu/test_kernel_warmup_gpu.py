@@ -35,8 +35,9 @@ def workload(seed: int) -> list[list[list[int]]]:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("arch, quantization", [("llama", None), ("qwen3_moe", None), ("llama", "fp8")],
-                         ids=["dense", "moe", "fp8"])
+@pytest.mark.parametrize("arch, quantization", [("llama", None), ("qwen3_moe", None), ("llama", "fp8"),
+                                                 ("qwen3_moe", "fp8")],
+                         ids=["dense", "moe", "fp8", "fp8-moe"])
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "cuda-graphs"])
 def test_serving_compiles_no_kernel_after_the_warm_up(tmp_path, arch, quantization, eager):
     from tandem.engine import LLM, SamplingParams

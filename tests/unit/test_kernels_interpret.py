@@ -76,11 +76,12 @@ def test_fused_moe_kernels_match_torch_twin_under_interpreter() -> None:
     # Grouped gate/up and down GEMMs over expert-sorted rows: 2-8 experts,
     # top-k 1, 2 and 3, an expert with no rows, experts taking every row, one
     # token and none, 64-row tiles with padding; fp32 and bf16; each with FP8
-    # (e4m3) experts too. Then the one-launch alignment against its torch
+    # (e4m3) experts too, their activations in the model dtype (W8A16) and
+    # quantized per row (W8A8). Then the one-launch alignment against its torch
     # twin, value for value, at 8 routings up to its 4096-row limit, and the
     # one-launch routing at 5.
     out = run_check_module("fused_moe_check", timeout_s=100)
-    assert "checked 41 cases, 0 failed" in out, out
+    assert "checked 55 cases, 0 failed" in out, out
 
 
 @pytest.mark.timeout(120)
