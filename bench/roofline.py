@@ -28,15 +28,24 @@ class Roofline:
         return self.workload_flops / self.peak_flops / self.seconds
 
 
-def model_parameters(model: torch.nn.Module) -> int:
+def model_parameters(model: torch.nn.Module) -> float:
     """Parameters a token multiplies by: every tensor once (a tied LM head
-    counts once), FP8 scales left out."""
-    seen, total = set(), 0
+    counts once), FP8 scales left out; a mixture-of-experts layer's experts
+    count top_k / num_experts of theirs, the k experts a token passes
+    through (Qwen3-30B-A3B: 3.3 B of 30.5 B)."""
+    from tandem.engine.models.moe import SparseMoeBlock
+
+    share: dict[int, float] = {}  # id(parameter) -> the part of it one token multiplies by
+    for module in model.modules():
+        if isinstance(module, SparseMoeBlock):
+            for p in module.experts.parameters():
+                share[id(p)] = module.moe.top_k / module.moe.num_experts
+    seen, total = set(), 0.0
     for name, p in model.named_parameters():
-        if id(p) in seen or name.endswith("weight_scale"):
+        if id(p) in seen or name.endswith("_scale"):
             continue
         seen.add(id(p))
-        total += p.numel()
+        total += p.numel() * share.get(id(p), 1.0)
     return total
 
 

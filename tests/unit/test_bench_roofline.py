@@ -1,6 +1,6 @@
 """`tandem bench throughput`'s compute roofline (bench/roofline.py): the
-workload's FLOPs count each parameter once (a tied LM head is the embedding),
-and a run reports its fraction beside tokens/s, measured in the same run."""
+workload's FLOPs count each parameter once (a tied LM head is the embedding;
+an MoE layer's experts by the share a token uses), and a run reports its fraction beside tokens/s, measured in the same run."""
 from __future__ import annotations
 
 import json
@@ -21,6 +21,17 @@ def test_parameters_count_a_tied_head_once_and_leave_fp8_scales_out():
     model.proj = torch.nn.Linear(8, 8, bias=False)
     model.proj.weight_scale = torch.nn.Parameter(torch.ones(8), requires_grad=False)
     assert model_parameters(model) == 100 * 8 + 8 * 8
+
+
+def test_experts_count_only_the_top_k_a_token_passes_through():
+    from tandem.engine.models.moe import MoEConfig, SparseMoeBlock
+
+    block = SparseMoeBlock(16, MoEConfig(num_experts=8, top_k=2, intermediate_size=4, renormalize=True,
+                                         weights_in_activation_dtype=True))
+    block.experts.down_proj_scale = torch.nn.Parameter(torch.ones(8, 16), requires_grad=False)
+    model = torch.nn.Sequential(block, torch.nn.Linear(16, 16, bias=False))
+    experts = 8 * (2 * 4 * 16 + 16 * 4)
+    assert model_parameters(model) == 16 * 8 + experts * 2 / 8 + 16 * 16
 
 
 def test_fraction_is_the_roofline_time_over_the_measured_time():
