@@ -74,7 +74,9 @@ def cases(device: str) -> Iterator[Case]:
             q, xs = quantize_rows_torch(x)
             shape = f"rows={rows} k={k} n={n} bias={has_bias} {str(dtype)[6:]}"
             # (result, the twin's product it must equal, tolerance)
-            results = {"skinny": (fp8_skinny_gemm(q, xs, wq, ws, bias, dtype), quantized, TOLERANCE[dtype])}
+            # The skinny GEMM's products run on the FP8 tensor cores on a GPU (their accumulator: FP8_GEMM_TOLERANCE)
+            results = {"skinny": (fp8_skinny_gemm(q, xs, wq, ws, bias, dtype), quantized,
+                                  FP8_GEMM_TOLERANCE if device == "cuda" else TOLERANCE[dtype])}
             # The layer runs the GEMV at one row (WEIGHT_ONLY_MAX_ROWS); under
             # the interpreter its grid of rows x channel tiles takes 5 s a call
             # at 64-150 rows, so there it is checked up to 16 rows.
@@ -110,7 +112,7 @@ def cases(device: str) -> Iterator[Case]:
 def bench() -> None:
     """Times of an 8B Llama's layers (microseconds, median of CUDA graph
     replays, as the engine runs them): bf16, the quantizer alone, the FP8
-    GEMM, and at one row the layer's own choice and the weight-only GEMV
+    GEMM and the skinny GEMM (each after the quantizer), and at one row the layer's own choice and the weight-only GEMV
     under a few tile choices, so the defaults come from numbers."""
     import triton.testing
 
@@ -128,7 +130,8 @@ def bench() -> None:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             # the FP8 GEMM itself, after the quantizer (the layer's path above one row) at every row count
             cells = {"bf16": time_us(lambda: x @ w.t()), "quant": time_us(lambda: quantize_rows_triton(x)),
-                     "gemm": time_us(lambda: fp8_linear_cuda(x, wq, ws, skinny=False))}
+                     "gemm": time_us(lambda: fp8_linear_cuda(x, wq, ws, skinny=False)),
+                     "skinny": time_us(lambda: fp8_linear_cuda(x, wq, ws, skinny=True))}
             if rows <= 1:
                 cells["layer"] = time_us(lambda: fp8_linear_cuda(x, wq, ws))
                 for bn, bk, nw, ns in gemv_configs:

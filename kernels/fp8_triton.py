@@ -6,8 +6,10 @@ written in bf16. For one row (decode of one sequence) a Triton kernel on the
 CUDA cores multiplies the row, left in the model dtype, by the e4m3 weight
 over narrow tiles that keep every multiprocessor streaming weights (the
 twin's weight-only rule, fp8_torch.WEIGHT_ONLY_MAX_ROWS: no quantizer
-launch); a Triton tensor-core kernel takes the widths the FP8 GEMM refuses
-(not multiples of 16).
+launch). A Triton kernel on the FP8 tensor cores (the "skinny" GEMM, tiles
+of 16-64 rows and 32-64 channels) takes a few rows (up to SKINNY_MAX_ROWS),
+where the FP8 GEMM's tall tiles leave most multiprocessors idle, and the
+widths the FP8 GEMM refuses (not multiples of 16).
 
 Why a kernel for the quantization: as torch expressions it is five launches
 (abs, amax, divide, clamp, cast) per linear layer, four layers a block; at
@@ -19,7 +21,6 @@ round-to-nearest-even in both).
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -28,6 +29,10 @@ import triton.language as tl
 
 from tandem.kernels.common_triton import interpreted, pdl_launch, pdl_prologue
 from tandem.kernels.fp8_torch import FP8_DTYPE, FP8_MAX, INV_FP8_MAX, MIN_SCALE, WEIGHT_ONLY_MAX_ROWS
+
+# Steps of up to this many rows (and more than WEIGHT_ONLY_MAX_ROWS) take the
+# skinny Triton GEMM rather than the FP8 GEMM (module docstring).
+SKINNY_MAX_ROWS = 64
 
 
 @triton.jit
@@ -102,20 +107,20 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @triton.jit
 def _fp8_skinny_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K,
-                            stride_q, stride_w, stride_out, HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            stride_q, stride_w, stride_out, HAS_BIAS: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     pid_n = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
-        # e4m3 values are exact in bf16: a bf16 product of them, summed in fp32,
-        # is the FP8 product (no FP8 tensor-core path needed for it)
+        # e4m3 times e4m3 on the FP8 tensor cores, summed in fp32
         a = tl.load(q_ptr + rows[:, None] * stride_q + ks[None, :],
-                    mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0).to(DOT_DTYPE)
+                    mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
         b = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_w + ks[:, None],
-                    mask=(cols[None, :] < N) & (ks[:, None] < K), other=0.0).to(DOT_DTYPE)
+                    mask=(cols[None, :] < N) & (ks[:, None] < K), other=0.0)
         acc += tl.dot(a, b)
     xs = tl.load(xs_ptr + rows, mask=rows < M, other=0.0)
     ws = tl.load(ws_ptr + cols, mask=cols < N, other=0.0)
@@ -182,8 +187,8 @@ def fp8_skinny_gemm(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor
                     bias: Optional[torch.Tensor], out_dtype: torch.dtype, block_n: Optional[int] = None,
                     block_k: Optional[int] = None, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
     """(q * x_scale) [M, K] times (weight * weight_scale) [N, K]^T (+ bias):
-    the arithmetic of the FP8 GEMM, for widths the FP8 GEMM refuses (not
-    multiples of 16)."""
+    the arithmetic of the FP8 GEMM, for a few rows and for widths the FP8
+    GEMM refuses (not multiples of 16)."""
     m, k = q.shape
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=q.device)
@@ -193,10 +198,8 @@ def fp8_skinny_gemm(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor
     _fp8_skinny_gemm_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
         q, x_scale, weight, weight_scale, bias if bias is not None else weight_scale, out, m, n, k,
         q.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-        # Triton's interpreter multiplies bf16 converted from fp8 as raw bits;
-        # fp32 there holds the same exact values
-        DOT_DTYPE=tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **pdl_launch(q), num_warps=num_warps,
+        num_stages=num_stages)
     return out
 
 
@@ -209,14 +212,14 @@ def fp8_linear_cuda(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     (fp8_gemv), above it quantized per token. quantize: the activation
     quantizer (the twin's under --attention-backend torch); skinny (tests
     and benchmarks): quantize whatever the rows, then the skinny Triton GEMM
-    (True) or the FP8 GEMM (False); None: the layer's rule, with the skinny
-    GEMM only for the widths the FP8 GEMM refuses."""
+    (True) or the FP8 GEMM (False); None: the layer's rule, the skinny GEMM
+    up to SKINNY_MAX_ROWS rows and for the widths the FP8 GEMM refuses."""
     m, k = x.shape
     if m <= WEIGHT_ONLY_MAX_ROWS and skinny is None:
         return fp8_gemv(x, weight, weight_scale, bias, x.dtype)
     # The FP8 GEMM needs both widths in multiples of 16; the Triton kernel takes any.
     gemm_shapes = k % 16 == 0 and weight.shape[0] % 16 == 0
-    use_triton = skinny if skinny is not None else not gemm_shapes
+    use_triton = skinny if skinny is not None else (m <= SKINNY_MAX_ROWS or not gemm_shapes)
     q, x_scale = quantize(x)
     if use_triton:
         return fp8_skinny_gemm(q, x_scale, weight, weight_scale, bias, x.dtype)
