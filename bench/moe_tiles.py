@@ -77,8 +77,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         scales = (s13, s2)
     bandwidth = copy_bandwidth(device)
     grid = parse_grid(args.grid)
+    weights_kind = f"e4m3 weights, activations: {args.activations}" if args.fp8 else "bf16 weights"
     print(f"{args.preset}: {experts} experts, top-{moe.top_k}, hidden {hidden}, expert width {inter}, "
-          f"{f'e4m3 weights, activations: {args.activations}' if args.fp8 else 'bf16 weights'}; copy bandwidth {bandwidth / 1e12:.3f} TB/s")
+          f"{weights_kind}; copy bandwidth {bandwidth / 1e12:.3f} TB/s")
     for tokens in [int(t) for t in args.tokens.split(",")]:
         x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, generator=gen)
         routes = []

@@ -74,7 +74,7 @@ def cases(device: str) -> Iterator[Case]:
             q, xs = quantize_rows_torch(x)
             shape = f"rows={rows} k={k} n={n} bias={has_bias} {str(dtype)[6:]}"
             # (result, the twin's product it must equal, tolerance)
-            # The skinny GEMM's products run on the FP8 tensor cores on a GPU (their accumulator: FP8_GEMM_TOLERANCE)
+            # on a GPU the skinny GEMM's products run on the FP8 tensor cores: the FP8 GEMM's allowance
             results = {"skinny": (fp8_skinny_gemm(q, xs, wq, ws, bias, dtype), quantized,
                                   FP8_GEMM_TOLERANCE if device == "cuda" else TOLERANCE[dtype])}
             # The layer runs the GEMV at one row (WEIGHT_ONLY_MAX_ROWS); under
@@ -112,8 +112,9 @@ def cases(device: str) -> Iterator[Case]:
 def bench() -> None:
     """Times of an 8B Llama's layers (microseconds, median of CUDA graph
     replays, as the engine runs them): bf16, the quantizer alone, the FP8
-    GEMM and the skinny GEMM (each after the quantizer), and at one row the layer's own choice and the weight-only GEMV
-    under a few tile choices, so the defaults come from numbers."""
+    GEMM and the skinny GEMM (each after the quantizer), and at one row the
+    layer's own choice and the weight-only GEMV under a few tile choices, so
+    the defaults come from numbers."""
     import triton.testing
 
     from tandem.kernels.fp8_triton import fp8_gemv, fp8_linear_cuda, quantize_rows_triton

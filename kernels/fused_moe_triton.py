@@ -23,11 +23,11 @@ grid is sized for that bound, and tiles past the real end exit at once.
 Twin: fused_moe_torch.py. Rounding to the activation dtype happens where the
 twin (and HF transformers) rounds; accumulation is fp32.
 
-FP8 experts (e4m3 weights, an fp32 scale per expert and output channel),
-the same launches either way:
-- W8A8 (always; fused_moe_torch.py says why): the hidden states, then gate/up's output, are quantized per row
-  (fp8_triton.quantize_rows_triton: a launch each, before each GEMM), so the
-  products run on the FP8 tensor cores with no widening of the weights.
+FP8 experts (e4m3 weights, an fp32 scale per expert and output channel):
+- W8A8 (always; fused_moe_torch.py says why): the hidden states, then
+  gate/up's output, are quantized per row (fp8_triton.quantize_rows_triton:
+  a launch before each GEMM), so the products run on the FP8 tensor cores
+  with no widening of the weights.
   Quantizing in the GEMMs instead, as each tile is loaded, repeats a row's
   division for every program of its columns: on an H200 that layer ran 2-4x
   slower than W8A16 (docs/benchmarks.md).

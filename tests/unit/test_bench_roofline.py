@@ -1,6 +1,7 @@
 """`tandem bench throughput`'s compute roofline (bench/roofline.py): the
 workload's FLOPs count each parameter once (a tied LM head is the embedding;
-an MoE layer's experts by the share a token uses), and a run reports its fraction beside tokens/s, measured in the same run."""
+an MoE layer's experts by the share a token uses), and a run reports its
+fraction beside tokens/s, measured in the same run."""
 from __future__ import annotations
 
 import json

@@ -5,12 +5,13 @@ written into it independently: its linear weights replaced by their e4m3
 values times per-channel scales, and a hook that rounds each linear layer's
 input to e4m3 per token, except in a call of one token (the engine leaves a
 step of one token unquantized: WEIGHT_ONLY_MAX_ROWS); MoE experts round
-their inputs per row in every call (ExpertInputRounding). A tiny random Llama and
-Qwen3 quantized at load must generate what that model generates; an HF FP8
+their inputs per row in every call (round_expert_inputs). A tiny random
+Llama and Qwen3 quantized at load must generate what that model generates; an HF FP8
 checkpoint (per-tensor, per-channel and block-wise scales) must load into the
 same numbers; the real SmolLM2 must stay close to its bf16 self."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -244,31 +245,36 @@ def test_fp8_refuses_what_it_cannot_run(tmp_path):
 
 # ---- mixture-of-experts models: e4m3 experts, the router in the model dtype ----
 
-class ExpertInputRounding:
+@contextlib.contextmanager
+def _inputs_rounded_to_e4m3():
+    """F.linear, while inside, rounds its input to e4m3 per row first."""
+    linear = F.linear
+    F.linear = lambda x, weight, bias=None: linear(_e4m3_round(x).to(x.dtype), weight, bias)
+    try:
+        yield
+    finally:
+        F.linear = linear
+
+
+def round_expert_inputs(experts: nn.Module) -> None:
     """The oracle's rule for the experts' inputs (the engine's W8A8 experts):
-    while an experts module runs, each F.linear it makes (HF's experts call
-    it for gate/up and for down) gets its input rounded to e4m3 per row."""
+    each F.linear an experts module makes (HF's experts call it for gate/up
+    and for down) gets its input rounded to e4m3 per row."""
+    forward = experts.forward
 
-    def __init__(self) -> None:
-        self._linear = F.linear
+    def rounding_forward(*args, **kwargs):
+        with _inputs_rounded_to_e4m3():
+            return forward(*args, **kwargs)
 
-    def _rounding_linear(self, x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
-        return self._linear(_e4m3_round(x).to(x.dtype), weight, bias)
-
-    def before(self, _module: nn.Module, args: tuple) -> None:
-        F.linear = self._rounding_linear
-
-    def after(self, _module: nn.Module, _args: tuple, _out) -> None:
-        F.linear = self._linear
+    experts.forward = rounding_forward
 
 
 def _fake_quantize_hf_experts(model: nn.Module) -> nn.Module:
     """The oracle's FP8 experts: each expert's output channels rounded to
     e4m3 (HF's stacked gate_up_proj [E, 2I, H] and down_proj [E, H, I]), and
-    their inputs by ExpertInputRounding's rule. The experts run HF's eager
-    loop (one F.linear per projection, where the hook rounds), not its
-    default grouped GEMM."""
-    rounding = ExpertInputRounding()
+    their inputs by round_expert_inputs's rule. The experts run HF's eager
+    loop (one F.linear per projection, where the inputs are rounded), not
+    its default grouped GEMM."""
     model.config._experts_implementation = "eager"
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -276,8 +282,7 @@ def _fake_quantize_hf_experts(model: nn.Module) -> nn.Module:
                 p.copy_(_e4m3_round(p, dim=-1))
     for name, module in model.named_modules():
         if name.endswith(".experts"):
-            module.register_forward_pre_hook(rounding.before)
-            module.register_forward_hook(rounding.after)
+            round_expert_inputs(module)
     return model
 
 
