@@ -16,7 +16,7 @@ quantized with one scale of its own (fp8_torch.quantize_rows_torch's rule,
 "dynamic per-token" scales), and a product is scaled by its row's and its
 channel's scale. fp8_activations=False keeps them in the model dtype
 ("W8A16"), for comparison only: on an H200 the MoE layer of Qwen3-30B-A3B
-ran 1.2-2.3x faster in W8A8 at 1 to 4,096 tokens, quantizing launches
+ran 1.1-2.3x faster in W8A8 at 1 to 4,096 tokens, quantizing launches
 included (docs/benchmarks.md), unlike the dense layers, whose one-row GEMV
 stays weight-only (fp8_torch.WEIGHT_ONLY_MAX_ROWS).
 
