@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 from torch.nn import functional as F
 
-from tandem.kernels.fp8_torch import quantize_rows_torch
+from tandem.kernels.fp8_torch import fp8_linear_torch
 from tandem.kernels.layer_ops_torch import silu_and_mul_torch
 
 
@@ -57,10 +57,7 @@ def expert_linear(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.T
     scaled by its row's scale too (module docstring)."""
     if scale is None:
         return F.linear(x, weight)
-    if not fp8_activations:
-        return ((x.float() @ weight.float().t()) * scale.float()).to(x.dtype)
-    q, row_scale = quantize_rows_torch(x)
-    return ((q.float() @ weight.float().t()) * row_scale * scale.float()).to(x.dtype)
+    return fp8_linear_torch(x, weight, scale, weight_only=not fp8_activations)
 
 
 def fused_moe_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
