@@ -73,7 +73,10 @@ class TandemServicer(generate_pb2_grpc.TandemServiceServicer):
         except DispatchError as exc:
             status = exc.code
             await context.abort(exc.code, exc.message)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # A client that cancels while this generator waits downstream raises
+            # CancelledError here; one that cancels while it sits at `yield`
+            # leaves it to be closed later, which raises GeneratorExit.
             status = grpc.StatusCode.CANCELLED
             raise
         except Exception:
