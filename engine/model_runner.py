@@ -135,6 +135,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.graphs = None  # set by enable_cuda_graphs once the engine knows max_model_len
         self.verify_graphs = None  # the same, for speculative decoding's verifying steps
+        self.piecewise = None  # the same, for the other steps of up to piecewise_graphs.MAX_TOKENS tokens
         self.warmup_report = None  # set by warm_up_kernels, where it runs
         self.block_table = BlockTable(config.scheduler.max_num_seqs)
         self._arange = np.arange(config.scheduler.max_num_seqs + 1, dtype=np.int64)
@@ -203,10 +204,13 @@ class ModelRunner:
             log.warning("--attention-backend torch: decode runs eagerly, without CUDA graphs")
             return
         from tandem.engine.cuda_graphs import DecodeGraphs, verify_buckets
+        from tandem.engine.piecewise_graphs import PiecewiseGraphs
 
         sched = self.config.scheduler
         self.graphs = DecodeGraphs(self.model, self.kv_caches, sched.max_num_seqs,
                                    max_model_len, self.block_size, self.device)
+        # Prompt chunks, alone or beside decodes: the layers between the attentions.
+        self.piecewise = PiecewiseGraphs(self.model, self.kv_caches, sched.max_num_batched_tokens, self.device)
         spec = self.config.speculative
         if spec is not None:
             # Verifying steps (1 + k rows a request) replay graphs of their own; eagerly
@@ -218,11 +222,11 @@ class ModelRunner:
                 sizes=verify_buckets(sched.max_num_seqs, q, sched.max_num_batched_tokens))
 
     def release_cuda_graphs(self) -> None:
-        """Drop the decode graphs (before the TP group goes: see DecodeGraphs.release)."""
-        for graphs in (self.graphs, self.verify_graphs):
+        """Drop the CUDA graphs (before the TP group goes: see DecodeGraphs.release)."""
+        for graphs in (self.graphs, self.verify_graphs, self.piecewise):
             if graphs is not None:
                 graphs.release()
-        self.graphs = self.verify_graphs = None
+        self.graphs = self.verify_graphs = self.piecewise = None
 
     def _decide_num_blocks(self, block_bytes: int) -> int:
         cache = self.config.cache
@@ -337,7 +341,9 @@ class ModelRunner:
         entries, in order (None when none samples); an entry with draft tokens
         has 1 + num_draft_tokens rows, in position order. The hooks run around each
         layer (the KV connector's layer-wise loads and saves); a step with
-        hooks runs eagerly."""
+        hooks runs eagerly. On GPUs, decode steps and verifying steps replay
+        whole CUDA graphs, other steps of up to piecewise_graphs.MAX_TOKENS
+        tokens the piecewise ones."""
         hooked = before_layer is not None or after_layer is not None
         verify = None if hooked or self.verify_graphs is None else verify_shape(plan)
         replayed = None
@@ -346,6 +352,9 @@ class ModelRunner:
             replayed = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
         elif verify is not None and self.verify_graphs.fits_verify(*verify):
             replayed = self.verify_graphs.run_verify(batch.input_ids, batch.positions, batch.meta, *verify)
+        elif (self.piecewise is not None and not hooked
+              and self.piecewise.bucket(batch.input_ids.shape[0]) is not None):
+            hidden = self.piecewise.run(batch.input_ids, batch.positions, batch.meta)
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta,
                                 before_layer, after_layer)

@@ -126,6 +126,16 @@ class Attention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.project(hidden, cos, sin, kv_cache, meta.slot_mapping)
+        return self.output(self.attend(q, k, v, kv_cache, meta))
+
+    # The three parts of forward, apart for the piecewise CUDA graphs
+    # (engine/piecewise_graphs.py): project and output have fixed shapes for
+    # a given token count, attend depends on the batch's sequences.
+    def project(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k and v [tokens, heads, head_dim] after their norms and the rotary
+        embedding; k and v also written to the cache at slot_mapping."""
         n = hidden.shape[0]
         q, k, v = self._qkv(hidden)
         q = q.reshape(n, self.num_heads, self.head_dim)
@@ -134,9 +144,16 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(q, k, cos, sin)  # HF's rotate-half convention
-        write_kv(k, v, kv_cache, meta.slot_mapping)
-        out = paged_attention(q, kv_cache, meta, self.scale, new_kv=(k, v))
-        return all_reduce(self.o_proj(out.reshape(n, self.num_heads * self.head_dim)))
+        write_kv(k, v, kv_cache, slot_mapping)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        return paged_attention(q, kv_cache, meta, self.scale, new_kv=(k, v))
+
+    def output(self, attended: torch.Tensor) -> torch.Tensor:
+        n = attended.shape[0]
+        return all_reduce(self.o_proj(attended.reshape(n, self.num_heads * self.head_dim)))
 
 
 class MLP(nn.Module):
@@ -192,12 +209,21 @@ class DecoderLayer(nn.Module):
         The residual add is folded into the next norm (the same sums, in the
         same dtype, as `hidden + attn(norm(hidden))`), so the last layer's
         output is added by the final norm."""
+        q, k, v, residual = self.begin(hidden, residual, cos, sin, kv_cache, meta.slot_mapping)
+        return self.finish(self.self_attn.attend(q, k, v, kv_cache, meta), residual)
+
+    def begin(self, hidden, residual, cos, sin, kv_cache, slot_mapping):
+        """Up to the attention: (q, k, v, the residual stream)."""
         if residual is None:
             residual = hidden
             h = self.input_layernorm(hidden)
         else:
             h, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        return (*self.self_attn.project(h, cos, sin, kv_cache, slot_mapping), residual)
+
+    def finish(self, attended, residual):
+        """From the attention's output on: (this layer's output, the residual stream)."""
+        h = self.self_attn.output(attended)
         h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
         return self.mlp(h), residual
 
@@ -246,8 +272,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         written its K/V (the connector saves layer by layer, so the transfer
         overlaps the remaining layers).
         """
-        hidden = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary_emb.cos_sin(positions, hidden.dtype)
+        hidden, cos, sin = self.embed(input_ids, positions)
         residual = None
         for i, layer in enumerate(self.model.layers):
             if before_layer is not None:
@@ -255,6 +280,15 @@ class LlamaFamilyForCausalLM(nn.Module):
             hidden, residual = layer(hidden, residual, cos, sin, kv_caches[i], meta)
             if after_layer is not None:
                 after_layer(i)
+        return self.final_norm(hidden, residual)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(the tokens' embeddings, the rotary embedding's cos and sin at their positions)."""
+        hidden = self.model.embed_tokens(input_ids)
+        return (hidden, *self.model.rotary_emb.cos_sin(positions, hidden.dtype))
+
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The last layer's output added to the residual stream, normed: the hidden states."""
         return self.model.norm.add_and_norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tandem.engine.cuda_graphs import DecodeGraphs, padded_rows, verify_buckets
+from tandem.engine.cuda_graphs import padded_rows, verify_buckets
 from tandem.engine.model_runner import verify_shape
 from tandem.engine.plan import SchedulerOutput
+from tests.support.emulated_graphs import EmulatedGraphs
 
 
 def test_rows_of_entries_with_fewer_drafts_go_first_in_their_slot():
@@ -40,37 +41,6 @@ def test_a_graph_takes_decodes_with_drafts_only():
     assert verify_shape(plan([0, 5], [30, 4], [0, 3])) is None  # a prompt chunk beside a verify
     assert verify_shape(plan([0, 5], [30, 4], [3], sampled=[1])) is None  # an entry that does not sample
     assert verify_shape(SchedulerOutput()) is None
-
-
-class _Replay:
-    """Stands in for a captured CUDA graph on the CPU: replaying runs the
-    captured call again over the same persistent buffers, into the same output."""
-
-    def __init__(self, run) -> None:
-        self.run = run
-
-    def replay(self) -> None:
-        self.run()
-
-    def reset(self) -> None:
-        pass
-
-
-class EmulatedGraphs(DecodeGraphs):
-    """DecodeGraphs whose capture is emulated (no CUDA here): the buffers,
-    buckets, padding and gathers are the real code's."""
-
-    def _capture_all(self) -> None:
-        q = self.query_len
-        for b in self.sizes:
-            args = (self.input_ids[: b * q], self.positions[: b * q], self.kv_caches, self._meta(b))
-            with torch.inference_mode():
-                self.outputs[b] = self.model(*args).clone()
-
-            def run(b=b, args=args):
-                with torch.inference_mode():
-                    self.outputs[b].copy_(self.model(*args))
-            self.graphs[b] = _Replay(run)
 
 
 def test_verifying_steps_through_the_graph_layout_give_the_eager_tokens(tmp_path):
