@@ -5,13 +5,13 @@ with `parser.set_defaults(handler=fn)`, fn(args) -> exit code.
 """
 from __future__ import annotations
 
-from tandem.bench import kernels, kv, latency, serve, spec_decode, sweep, throughput
+from tandem.bench import kernels, kv, latency, mixed_steps, serve, spec_decode, sweep, throughput
 
-SUBCOMMANDS = (serve, sweep, throughput, latency, spec_decode, kernels, kv)
+SUBCOMMANDS = (serve, sweep, throughput, latency, mixed_steps, spec_decode, kernels, kv)
 
 
 def register(subparsers) -> None:
-    bench = subparsers.add_parser("bench", help="benchmarks: serve, sweep, throughput, latency, spec-decode, kernels, kv",
+    bench = subparsers.add_parser("bench", help="benchmarks: serve, sweep, throughput, latency, mixed-steps, spec-decode, kernels, kv",
                                   description="Measure tandem (or any OpenAI-compatible server) and its parts.")
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
     for module in SUBCOMMANDS:
