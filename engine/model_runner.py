@@ -340,10 +340,10 @@ class ModelRunner:
         """Run the model over a prepared batch; the logits of the plan's sampled
         entries, in order (None when none samples); an entry with draft tokens
         has 1 + num_draft_tokens rows, in position order. The hooks run around each
-        layer (the KV connector's layer-wise loads and saves); a step with
-        hooks runs eagerly. On GPUs, decode steps and verifying steps replay
-        whole CUDA graphs, other steps of up to piecewise_graphs.MAX_TOKENS
-        tokens the piecewise ones."""
+        layer (the KV connector's layer-wise loads and saves). On GPUs,
+        decode steps and verifying steps without hooks replay whole CUDA
+        graphs; other steps of up to piecewise_graphs.MAX_TOKENS tokens, hooked
+        ones too, the piecewise graphs, whose seams the hooks run at."""
         hooked = before_layer is not None or after_layer is not None
         verify = None if hooked or self.verify_graphs is None else verify_shape(plan)
         replayed = None
@@ -352,9 +352,8 @@ class ModelRunner:
             replayed = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
         elif verify is not None and self.verify_graphs.fits_verify(*verify):
             replayed = self.verify_graphs.run_verify(batch.input_ids, batch.positions, batch.meta, *verify)
-        elif (self.piecewise is not None and not hooked
-              and self.piecewise.bucket(batch.input_ids.shape[0]) is not None):
-            hidden = self.piecewise.run(batch.input_ids, batch.positions, batch.meta)
+        elif self.piecewise is not None and self.piecewise.bucket(batch.input_ids.shape[0]) is not None:
+            hidden = self.piecewise.run(batch.input_ids, batch.positions, batch.meta, before_layer, after_layer)
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta,
                                 before_layer, after_layer)

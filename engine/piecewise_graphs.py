@@ -23,19 +23,22 @@ KV, and no real row reads them: every op in a piece is row by row.
 
 Steps of more than MAX_TOKENS tokens run eagerly, as in vLLM, whose largest
 captured size is 512 tokens by default: their GPU time outweighs the
-launches. Steps with a KV connector's layer hooks also run eagerly.
+launches. A KV connector's layer hooks (its loads and saves) run between
+the pieces, so the steps that carry them, which the decode graphs cannot
+take, come here too.
 """
 from __future__ import annotations
 
 import bisect
 import gc
 import logging
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
 from tandem.engine.cuda_graphs import BUCKETS
 from tandem.engine.tensor_parallel import tp_group
+from tandem.engine.models.llama import LayerHook
 from tandem.kernels import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -152,9 +155,14 @@ class PiecewiseGraphs:
         i = bisect.bisect_left(self.sizes, num_tokens)
         return self.sizes[i] if i < len(self.sizes) else None
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            before_layer: Optional[LayerHook] = None, after_layer: Optional[LayerHook] = None) -> torch.Tensor:
         """Hidden states [tokens, hidden] of any batch of at most the largest
-        bucket's tokens (check bucket() first). Valid until the next run."""
+        bucket's tokens (check bucket() first). Valid until the next run.
+        The KV connector's hooks run between the pieces: before_layer(i)
+        before the piece that ends with layer i's KV write (earlier than an
+        eager step calls it, which only waits longer), after_layer(i) once
+        layer i's attention is launched, its KV written."""
         n = input_ids.shape[0]
         t = self.bucket(n)
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
@@ -165,8 +173,12 @@ class PiecewiseGraphs:
         pieces = self.graphs[t]
         q, k, v = self._qkv_views(n)
         for i, layer in enumerate(self.layers):
+            if before_layer is not None:
+                before_layer(i)
             pieces[i].replay()
             self.attended[:n].copy_(layer.self_attn.attend(q, k, v, self.kv_caches[i], meta))
+            if after_layer is not None:
+                after_layer(i)
         pieces[-1].replay()
         self.replays += 1
         return self.hidden[:n]

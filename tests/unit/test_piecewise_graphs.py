@@ -65,3 +65,74 @@ def test_buckets_stop_at_the_budget_and_at_max_tokens(tmp_path):
         assert len(large.graphs[MAX_TOKENS]) == len(runner.model.model.layers) + 1
     finally:
         llm.shutdown()
+
+
+class CountingPiecewiseGraphs(EmulatedPiecewiseGraphs):
+    """Counts the replays that carried the KV connector's hooks, and checks
+    that each layer's hooks ran around its own attention: before_layer(i)
+    after layer i - 1's attention and before layer i's, after_layer(i) after
+    layer i's and before layer i + 1's."""
+
+    hooked = 0
+
+    def run(self, input_ids, positions, meta, before_layer=None, after_layer=None):
+        if before_layer is None and after_layer is None:
+            return super().run(input_ids, positions, meta)
+        self.hooked += 1
+        events: list[tuple[str, int]] = []
+
+        def logged(kind, hook):
+            return None if hook is None else (lambda i: (events.append((kind, i)), hook(i))[1])
+        for i, layer in enumerate(self.layers):
+            attend = layer.self_attn.attend
+            layer.self_attn.attend = lambda *a, i=i, f=attend: (events.append(("attend", i)), f(*a))[1]
+        try:
+            out = super().run(input_ids, positions, meta, logged("before", before_layer),
+                              logged("after", after_layer))
+        finally:
+            for layer in self.layers:
+                del layer.self_attn.attend
+        for kind, hook, step in (("before", before_layer, -1), ("after", after_layer, 1)):
+            if hook is None:
+                continue
+            for i in range(len(self.layers)):
+                at, own = events.index((kind, i)), events.index(("attend", i))
+                assert (at - own) * step > 0, (kind, i, events)
+                if ("attend", i + step) in events:
+                    assert (events.index(("attend", i + step)) - at) * step > 0, (kind, i, events)
+        return out
+
+
+def test_the_kv_connectors_loads_and_saves_run_between_the_pieces(tmp_path):
+    """Two engines over one KV store (a real store process): the first saves
+    its prompts' blocks and the second loads them, both through the pieces
+    with the connector's layer hooks between them; both answer as an eager
+    engine without a store."""
+    from tandem.engine import LLM, SamplingParams
+    from tandem.services.kvstore.block_client import BlockStoreClient
+    from tests.support.kvstore_process import start_store
+
+    path, _ = tiny_model_dir(tmp_path, "llama")
+    prompts = _prompts()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    settings = dict(device="cpu", dtype="float32", num_blocks=256, max_num_seqs=8, max_num_batched_tokens=BUDGET)
+    llm = LLM(path, **settings)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    llm.shutdown()
+    store = start_store("--backend", "memory", "--capacity", "64MiB")
+    try:
+        for role in ("saves", "loads"):
+            llm = LLM(path, kv_transfer="store", kv_role="both",
+                      kv_store=BlockStoreClient(store.target, timeout_s=10.0), **settings)
+            try:
+                runner = llm.engine.runner
+                runner.piecewise = CountingPiecewiseGraphs(runner.model, runner.kv_caches, BUDGET,
+                                                           torch.device("cpu"))
+                assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected, role
+                stats = llm.engine.stats()
+                assert runner.piecewise.hooked > 0, role
+            finally:
+                llm.shutdown()
+        assert stats.kv_load_blocks > 0 and stats.recompute_fallbacks == 0
+    finally:
+        store.stop()
