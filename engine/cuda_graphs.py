@@ -16,10 +16,11 @@ padding sequences get context q over whatever their table rows hold.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import gc
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -30,6 +31,46 @@ from tandem.engine.tensor_parallel import tp_group
 log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No garbage collection while graphs are captured: one can destroy
+    another, unreachable CUDA graph (an earlier engine's in the same
+    process), and destroying a graph is not allowed while a stream
+    captures: the capture fails."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def capture(run: Callable[[], Any], pool) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """(the CUDA graph of run(), what run() returned in the capture: its
+    output tensors, which each replay rewrites). Warmed up first, so that
+    Triton compiles and autotunes outside the capture, and replayed once,
+    since a graph's first launch uploads it to the device at a far higher
+    host cost than a replay: here, not in a served step. Its inputs then are
+    the warm-up's."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    # Under tensor parallelism NCCL's watchdog thread polls the events of
+    # earlier collectives while this thread captures: "global" would count
+    # those calls against the capture.
+    mode = "thread_local" if tp_group().world_size > 1 else "global"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
+        output = run()
+    graph.replay()
+    return graph, output
 
 
 def verify_buckets(max_batch: int, query_len: int, max_rows: int) -> list[int]:
@@ -95,42 +136,13 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        # A garbage collection inside a capture can destroy another, unreachable
-        # CUDA graph (an earlier engine's in the same process), and destroying
-        # a graph is not allowed while a stream captures: the capture fails.
-        gc.collect()
-        was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            self._capture_each()
-        finally:
-            if was_enabled:
-                gc.enable()
-
-    def _capture_each(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
-        # Under tensor parallelism NCCL's watchdog thread polls the events of
-        # earlier collectives while this thread captures: "global" would
-        # count those calls against the capture.
-        mode = "thread_local" if tp_group().world_size > 1 else "global"
-        q = self.query_len
-        for b in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
-            args = (self.input_ids[: b * q], self.positions[: b * q], self.kv_caches, self._meta(b))
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
-                    self.model(*args)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
-                self.outputs[b] = self.model(*args)
-            # A graph's first launch uploads it to the device, which costs
-            # the host far more than a replay: here, not in a served step.
-            # Its inputs are the warm-up's (no KV written).
-            graph.replay()
-            self.graphs[b] = graph
-        torch.cuda.synchronize()
+        with gc_paused():
+            pool = torch.cuda.graph_pool_handle()
+            q = self.query_len
+            for b in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
+                args = (self.input_ids[: b * q], self.positions[: b * q], self.kv_caches, self._meta(b))
+                self.graphs[b], self.outputs[b] = capture(lambda args=args: self.model(*args), pool)
+            torch.cuda.synchronize()
         log.info("captured %s CUDA graphs for batch sizes %s",
                  "decode" if q == 1 else f"verifying ({q} rows a sequence)", self.sizes)
 

@@ -30,14 +30,12 @@ take, come here too.
 from __future__ import annotations
 
 import bisect
-import gc
 import logging
 from typing import Callable, Optional
 
 import torch
 
-from tandem.engine.cuda_graphs import BUCKETS
-from tandem.engine.tensor_parallel import tp_group
+from tandem.engine.cuda_graphs import BUCKETS, capture, gc_paused
 from tandem.engine.models.llama import LayerHook
 from tandem.kernels import AttentionMetadata
 
@@ -110,37 +108,14 @@ class PiecewiseGraphs:
     # ---- capture ----------------------------------------------------------
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        # As DecodeGraphs: no garbage collection inside a capture.
-        gc.collect()
-        was_enabled = gc.isenabled()
-        gc.disable()
-        try:
+        with gc_paused():
             # Largest first: the smaller buckets' temporaries reuse its memory.
             pool = torch.cuda.graph_pool_handle()
             for t in reversed(self.sizes):
-                self.graphs[t] = [self._capture(self._piece(t, i), pool) for i in range(len(self.layers) + 1)]
+                self.graphs[t] = [capture(self._piece(t, i), pool)[0] for i in range(len(self.layers) + 1)]
             torch.cuda.synchronize()
-        finally:
-            if was_enabled:
-                gc.enable()
         log.info("captured piecewise CUDA graphs (%d pieces each) for steps of %s tokens",
                  len(self.layers) + 1, self.sizes)
-
-    def _capture(self, piece: Callable[[], None], pool):
-        """One piece as a CUDA graph, warmed up (Triton compiles outside the
-        capture) and replayed once (a graph's first launch uploads it)."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                piece()
-        torch.cuda.current_stream().wait_stream(stream)
-        mode = "thread_local" if tp_group().world_size > 1 else "global"  # as DecodeGraphs
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
-            piece()
-        graph.replay()
-        return graph
 
     def release(self) -> None:
         """Free every graph (before the tensor-parallel group goes: DecodeGraphs.release)."""
