@@ -2,7 +2,7 @@
 # The GPU figures of docs/benchmarks.md, in one go, from the repository root on a
 # CUDA machine whose Python has torch, triton and transformers (the lent H100
 # image has them; see ../shared/device/README.md). OUT: where JSON results go.
-# Usage: bash bench/gpu_figures.sh [kernels|tests|latency|throughput|tp|tp-tests|kv|warmup]...
+# Usage: bash bench/gpu_figures.sh [kernels|tests|latency|mixed|throughput|tp|tp-tests|kv|warmup]...
 # kernels: the decode sweep (fused vs two-launch reduce, tiles, splits per SM) on
 # SWEEP_SHAPES (set it empty to skip the sweep), then the whole decode table with
 # the defaults.
@@ -32,6 +32,12 @@ for what in "${@:-tests latency throughput}"; do
         --steps 20 --kernel-profile 12 --output-json "$OUT/latency_llama3_8b.json"
       python -m tandem.bench.latency --preset llama-3-8b --batch-sizes 1,8 --context 512 --steps 20 \
         --enforce-eager --output-json "$OUT/latency_llama3_8b_eager.json" ;;
+    mixed)  # steps with a prompt chunk beside decodes: the piecewise CUDA graphs' tests against HF
+      # and the connector, then their time against eager steps in one process
+      timeout 200 python -m pytest -q -rxXs -p no:cacheprovider tests/gpu/test_engine_gpu.py -k fp32_greedy 2>&1 | tail -5
+      timeout 120 python -m pytest -q -rxXs -p no:cacheprovider tests/gpu/test_kv_store_gpu.py 2>&1 | tail -5
+      timeout 300 python -m tandem.bench.mixed_steps --preset llama-3-8b --batch-sizes 8,64 --chunks 16,64,256 \
+        --output-json "$OUT/mixed_llama3_8b.json" 2>&1 | grep -v "^a step took" | tail -8 ;;
     tp-tests)  # needs two GPUs: the TP tests (more than one lent command's 600 s: one call for
       # this mode alone). One pytest process a test, verbose, with Python's stacks dumped if
       # one hangs: the first run of these printed nothing in 200 s (docs/benchmarks.md).

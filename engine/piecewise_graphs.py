@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from typing import Callable, Optional
 
 import torch
@@ -56,15 +57,15 @@ class PiecewiseGraphs:
         attn = self.layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         dtype = model.model.embed_tokens.weight.dtype  # the activations' (FP8 keeps the embedding)
-        hidden = model.config.hidden_size
+        hidden_size = model.config.hidden_size
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.input_ids = torch.zeros(t, dtype=torch.long, device=device)
         self.positions = torch.zeros(t, dtype=torch.long, device=device)
         self.slot_mapping = torch.full((t,), -1, dtype=torch.long, device=device)
         self.qkv = torch.zeros(t, q_width + 2 * kv_width, dtype=dtype, device=device)
         self.attended = torch.zeros(t, self.num_heads, self.head_dim, dtype=dtype, device=device)
-        self.residual = torch.zeros(t, hidden, dtype=dtype, device=device)
-        self.hidden = torch.zeros(t, hidden, dtype=dtype, device=device)
+        self.residual = torch.zeros(t, hidden_size, dtype=dtype, device=device)
+        self.hidden = torch.zeros(t, hidden_size, dtype=dtype, device=device)
         self._q_width, self._kv_width = q_width, kv_width
         self.cos, self.sin = (torch.zeros_like(x) for x in model.model.rotary_emb.cos_sin(self.positions, dtype))
         self.graphs: dict[int, list] = {}
@@ -81,7 +82,7 @@ class PiecewiseGraphs:
     def _hand_over(self, t: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, residual: torch.Tensor) -> None:
         """A piece's results into the buffers the attention and the next piece read."""
         for buffer, value in zip(self._qkv_views(t) + (self.residual[:t],), (q, k, v, residual)):
-            if buffer.data_ptr() != value.data_ptr():  # on GPUs the ops often wrote there already
+            if buffer.data_ptr() != value.data_ptr():  # the residual, updated in place on GPUs, is there
                 buffer.copy_(value)
 
     def _piece(self, t: int, i: int) -> Callable[[], None]:
@@ -108,14 +109,15 @@ class PiecewiseGraphs:
     # ---- capture ----------------------------------------------------------
     @torch.inference_mode()
     def _capture_all(self) -> None:
+        started = time.perf_counter()
         with gc_paused():
             # Largest first: the smaller buckets' temporaries reuse its memory.
             pool = torch.cuda.graph_pool_handle()
             for t in reversed(self.sizes):
                 self.graphs[t] = [capture(self._piece(t, i), pool)[0] for i in range(len(self.layers) + 1)]
             torch.cuda.synchronize()
-        log.info("captured piecewise CUDA graphs (%d pieces each) for steps of %s tokens",
-                 len(self.layers) + 1, self.sizes)
+        log.info("captured piecewise CUDA graphs (%d pieces each) for steps of %s tokens in %.1f s",
+                 len(self.layers) + 1, self.sizes, time.perf_counter() - started)
 
     def release(self) -> None:
         """Free every graph (before the tensor-parallel group goes: DecodeGraphs.release)."""
