@@ -136,3 +136,36 @@ def test_the_kv_connectors_loads_and_saves_run_between_the_pieces(tmp_path):
         assert stats.kv_load_blocks > 0 and stats.recompute_fallbacks == 0
     finally:
         store.stop()
+
+
+def test_steps_with_drafts_beside_prompt_chunks_go_through_the_pieces(tmp_path):
+    """Prompt lookup under a 64-token budget: steps that verify drafts beside
+    a prompt chunk take the pieces, and their rows are taken by the logits
+    indices of a verifying step; the same greedy tokens as the eager engine."""
+    from tandem.engine import LLM, SamplingParams
+
+    path, _ = tiny_model_dir(tmp_path, "llama")
+    prompts = [[5, 6, 7, 8, 9, 10] * 8 + [5, 6], [40, 41, 42] * 20] + _prompts()
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    tokens, drafted = {}, 0
+    for emulate in (False, True):
+        llm = LLM(path, device="cpu", dtype="float32", num_blocks=256, max_num_seqs=8,
+                  max_num_batched_tokens=BUDGET, speculative_config=spec)
+        try:
+            runner = llm.engine.runner
+            if emulate:
+                runner.piecewise = EmulatedPiecewiseGraphs(runner.model, runner.kv_caches, BUDGET,
+                                                           torch.device("cpu"))
+                run = runner.piecewise.run
+
+                def counting(input_ids, positions, meta, *hooks):
+                    nonlocal drafted
+                    drafted += bool(llm.engine.scheduler.sampling_drafts and any(llm.engine.scheduler.sampling_drafts))
+                    return run(input_ids, positions, meta, *hooks)
+                runner.piecewise.run = counting
+            tokens[emulate] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        finally:
+            llm.shutdown()
+    assert drafted > 0, "no step carried drafts through the pieces"
+    assert tokens[True] == tokens[False]
