@@ -102,6 +102,12 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="tandem-mixed-") as folder:
         llm = build_llm(args, max(batches) + 1, folder)  # the decodes and the prompt
     engine, runner = llm.engine, llm.engine.runner
+    budget = engine.scheduler.config.max_num_batched_tokens
+    if max(batches) + max(chunks) > budget:
+        print(f"error: a step of {max(batches)} decodes and a {max(chunks)}-token chunk exceeds the token "
+              f"budget ({budget}); give --max-num-batched-tokens {max(batches) + max(chunks)} or more",
+              file=sys.stderr)
+        return 2
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     graphs = runner.piecewise
     modes = ("piecewise", "eager") if graphs is not None else ("eager",)

@@ -55,3 +55,12 @@ def test_the_command_prints_eager_rows_on_a_cpu(tmp_path):
     result = json.loads(out.read_text())
     assert [(r["batch"], r["chunk"], r["tokens_per_step"]) for r in result["rows"]] == [(2, 4, 6), (2, 8, 10)]
     assert all(r["eager"]["step_ms"] > 0 and "piecewise" not in r for r in result["rows"])
+
+
+def test_a_chunk_past_the_token_budget_is_refused_by_name(tmp_path):
+    path, _ = tiny_model_dir(tmp_path, "llama")
+    run = subprocess.run([sys.executable, "-m", "tandem.bench.mixed_steps", "--model", path, "--device", "cpu",
+                          "--batch-sizes", "2", "--chunks", "4", "--max-num-batched-tokens", "5"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2
+    assert "give --max-num-batched-tokens 6 or more" in run.stderr
