@@ -11,7 +11,8 @@ SUBCOMMANDS = (serve, sweep, throughput, latency, mixed_steps, spec_decode, kern
 
 
 def register(subparsers) -> None:
-    bench = subparsers.add_parser("bench", help="benchmarks: serve, sweep, throughput, latency, mixed-steps, spec-decode, kernels, kv",
+    bench = subparsers.add_parser("bench", help="benchmarks: serve, sweep, throughput, latency, mixed-steps, "
+                                                "spec-decode, kernels, kv",
                                   description="Measure tandem (or any OpenAI-compatible server) and its parts.")
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
     for module in SUBCOMMANDS:

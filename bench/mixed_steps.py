@@ -43,7 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=20, help="steps timed per setting and round (default 20)")
     p.add_argument("--rounds", type=int, default=2, help="times each setting is timed, alternating (default 2)")
     p.add_argument("--output-json", default=None)
-    EngineArgs.add_cli_args(p, skip=("max_num_seqs", *KV_TRANSFER_FIELDS))
+    # --chunks sets the prompt chunk (the long-prefill threshold) of each measurement.
+    EngineArgs.add_cli_args(p, skip=("max_num_seqs", "long_prefill_token_threshold", *KV_TRANSFER_FIELDS))
 
 
 @dataclasses.dataclass
