@@ -106,7 +106,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "auto"  # "auto": cuda when available, else cpu
-    enforce_eager: bool = False  # True: no CUDA graphs
+    enforce_eager: bool = False  # True: no CUDA graphs (whole or piecewise)
     # On a GPU, compile every Triton kernel variant a step can need at start
     # (engine/kernel_warmup.py), not in the middle of serving.
     kernel_warmup: bool = True
@@ -293,7 +293,8 @@ class EngineArgs:
         "auto", "where the model runs; auto: cuda when available (pick the GPU with "
         "CUDA_VISIBLE_DEVICES)", group=_RUNTIME)
     enforce_eager: bool = flag_field(
-        False, "no CUDA graphs for decode (slower; for debugging)", group=_RUNTIME)
+        False, "no CUDA graphs: neither the decode and verifying steps' nor the piecewise ones of steps "
+        "with prompt chunks (slower; for debugging)", group=_RUNTIME)
     kernel_warmup: bool = flag_field(
         True, "skip compiling, at start, every Triton kernel variant a step can need (on GPUs: "
         "seconds to a minute on a first start, less from Triton's cache); a step that first meets "
