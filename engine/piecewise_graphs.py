@@ -128,7 +128,7 @@ class PiecewiseGraphs:
         self.graphs.clear()
 
     # ---- replay -----------------------------------------------------------
-    def bucket(self, num_tokens: int):
+    def bucket(self, num_tokens: int) -> Optional[int]:
         i = bisect.bisect_left(self.sizes, num_tokens)
         return self.sizes[i] if i < len(self.sizes) else None
 
