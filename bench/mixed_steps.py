@@ -59,9 +59,11 @@ class Timing:
                 "forward_host_ms": statistics.median(self.forwards) * 1e3, "piecewise_steps": self.replays}
 
 
-def time_chunked_steps(engine, chunk: int, steps: int, prompt_id: str, first_token: int, sync) -> Timing:
+def time_chunked_steps(engine, chunk: int, steps: int, prompt_id: str, first_token: int, sync,
+                       timing: Optional[Timing] = None) -> Timing:
     """STEPS steps alone, then STEPS back to back, each carrying `chunk` tokens
-    of a fresh prompt beside the running decodes; the prompt is aborted after."""
+    of a fresh prompt beside the running decodes; the prompt is aborted after.
+    The times are added to `timing` (a new one if None), which is returned."""
     from tandem.engine import SamplingParams
 
     runner = engine.runner
@@ -71,7 +73,7 @@ def time_chunked_steps(engine, chunk: int, steps: int, prompt_id: str, first_tok
     engine.add_request(prompt_id, prompt, SamplingParams(temperature=0, max_tokens=1))
     for _ in range(2):
         engine.step()  # the prompt joins; the path warms up
-    timing = Timing()
+    timing = timing if timing is not None else Timing()
     replays_before = runner.piecewise.replays if runner.piecewise is not None else 0
     for _ in range(steps):
         sync()
@@ -87,7 +89,7 @@ def time_chunked_steps(engine, chunk: int, steps: int, prompt_id: str, first_tok
     sync()
     timing.periods.append((time.perf_counter() - t0) / steps)
     if runner.piecewise is not None:
-        timing.replays = runner.piecewise.replays - replays_before
+        timing.replays += runner.piecewise.replays - replays_before
     engine.abort(prompt_id)
     return timing
 
@@ -133,13 +135,8 @@ def run(args: argparse.Namespace) -> int:
             for round_ in range(args.rounds):
                 for mode in (modes if round_ % 2 == 0 else modes[::-1]):
                     runner.piecewise = graphs if mode == "piecewise" else None
-                    t = time_chunked_steps(engine, chunk, args.steps, f"p{batch}-{chunk}-{round_}-{mode}",
-                                           next(first_token), sync)
-                    acc = timings[mode]
-                    acc.steps += t.steps
-                    acc.periods += t.periods
-                    acc.forwards += t.forwards
-                    acc.replays += t.replays
+                    time_chunked_steps(engine, chunk, args.steps, f"p{batch}-{chunk}-{round_}-{mode}",
+                                       next(first_token), sync, timings[mode])
             runner.piecewise = graphs
             row = {"batch": batch, "chunk": chunk, "tokens_per_step": batch + chunk}
             for mode, t in timings.items():
