@@ -23,7 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Optional
+from typing import Iterator, Optional
 
 from tandem.engine.config import KV_TRANSFER_FIELDS, EngineArgs
 
@@ -59,38 +59,55 @@ class Timing:
                 "forward_host_ms": statistics.median(self.forwards) * 1e3, "piecewise_steps": self.replays}
 
 
-def time_chunked_steps(engine, chunk: int, steps: int, prompt_id: str, first_token: int, sync,
+def prompt_length(chunk: int, steps: int) -> int:
+    """Tokens of each timed prompt: two steps to join and warm up, `steps`
+    timed, one to spare, so that it is still in prefill when it is aborted."""
+    return chunk * (steps + 3)
+
+
+def time_chunked_steps(engine, chunk: int, steps: int, prompt_id: str, first_tokens: Iterator[int], sync,
                        timing: Optional[Timing] = None) -> Timing:
     """STEPS steps alone, then STEPS back to back, each carrying `chunk` tokens
-    of a fresh prompt beside the running decodes; the prompt is aborted after.
-    The times are added to `timing` (a new one if None), which is returned."""
+    of a fresh prompt (one for each half, aborted after it) beside the running
+    decodes. The times are added to `timing` (a new one if None), which is
+    returned."""
     from tandem.engine import SamplingParams
 
     runner = engine.runner
-    length = chunk * (2 * steps + 4)
     vocab = runner.model.config.vocab_size
-    prompt = [(first_token + j) % vocab for j in range(length)]  # a new first token: no prefix-cache hit
-    engine.add_request(prompt_id, prompt, SamplingParams(temperature=0, max_tokens=1))
-    for _ in range(2):
-        engine.step()  # the prompt joins; the path warms up
     timing = timing if timing is not None else Timing()
     replays_before = runner.piecewise.replays if runner.piecewise is not None else 0
-    for _ in range(steps):
+    for half in ("alone", "back-to-back"):
+        # Stride 3 from a new first token: no prefix-cache hit, on the decodes' prompts (stride 1) either.
+        first = next(first_tokens)
+        prompt = [(first + 3 * j) % vocab for j in range(prompt_length(chunk, steps))]
+        request_id = f"{prompt_id}-{half}"
+        engine.add_request(request_id, prompt, SamplingParams(temperature=0, max_tokens=1))
+        for _ in range(2):
+            engine.step()  # the prompt joins; the path warms up
         sync()
-        t0 = time.perf_counter()
-        engine.step()
-        sync()
-        timing.steps.append(time.perf_counter() - t0)
-        timing.forwards.append(engine.step_times.forward)
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    sync()
-    timing.periods.append((time.perf_counter() - t0) / steps)
+        if half == "alone":
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                engine.step()
+                sync()
+                timing.steps.append(time.perf_counter() - t0)
+                timing.forwards.append(engine.step_times.forward)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            sync()
+            timing.periods.append((time.perf_counter() - t0) / steps)
+        # Progress advances as steps are scheduled: a chunk a step unless part of the prompt was cached.
+        request = engine.scheduler.requests.get(request_id)  # None: its whole prompt was done already
+        computed = request.num_computed_tokens if request is not None else len(prompt)
+        if computed != chunk * (steps + 2):
+            raise RuntimeError(f"the prompt advanced {computed} tokens in {steps + 2} steps, not "
+                               f"{chunk * (steps + 2)}: its steps did not each carry a {chunk}-token chunk")
+        engine.abort(request_id)
     if runner.piecewise is not None:
         timing.replays += runner.piecewise.replays - replays_before
-    engine.abort(prompt_id)
     return timing
 
 
@@ -111,6 +128,11 @@ def run(args: argparse.Namespace) -> int:
               f"budget ({budget}); give --max-num-batched-tokens {max(batches) + max(chunks)} or more",
               file=sys.stderr)
         return 2
+    if prompt_length(max(chunks), args.steps) > engine.max_model_len:
+        print(f"error: {args.steps} timed steps of a {max(chunks)}-token chunk need prompts of "
+              f"{prompt_length(max(chunks), args.steps)} tokens, past the model's context ({engine.max_model_len}); "
+              f"give fewer --steps or smaller --chunks", file=sys.stderr)
+        return 2
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     graphs = runner.piecewise
     modes = ("piecewise", "eager") if graphs is not None else ("eager",)
@@ -119,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
     rows = []
     vocab = runner.model.config.vocab_size
-    first_token = itertools.count(1000, 7)
+    first_tokens = itertools.count(1000, 7)
     for batch in batches:
         # Decodes that last through every round of every chunk.
         params = SamplingParams(temperature=0, max_tokens=len(chunks) * args.rounds * len(modes)
@@ -136,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
                 for mode in (modes if round_ % 2 == 0 else modes[::-1]):
                     runner.piecewise = graphs if mode == "piecewise" else None
                     time_chunked_steps(engine, chunk, args.steps, f"p{batch}-{chunk}-{round_}-{mode}",
-                                       next(first_token), sync, timings[mode])
+                                       first_tokens, sync, timings[mode])
             runner.piecewise = graphs
             row = {"batch": batch, "chunk": chunk, "tokens_per_step": batch + chunk}
             for mode, t in timings.items():

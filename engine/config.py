@@ -107,6 +107,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "auto"  # "auto": cuda when available, else cpu
     enforce_eager: bool = False  # True: no CUDA graphs (whole or piecewise)
+    # False: steps with prompt chunks run eagerly; decode and verifying steps keep their graphs.
+    piecewise_cuda_graphs: bool = True
     # On a GPU, compile every Triton kernel variant a step can need at start
     # (engine/kernel_warmup.py), not in the middle of serving.
     kernel_warmup: bool = True
@@ -295,6 +297,11 @@ class EngineArgs:
     enforce_eager: bool = flag_field(
         False, "no CUDA graphs: neither the decode and verifying steps' nor the piecewise ones of steps "
         "with prompt chunks (slower; for debugging)", group=_RUNTIME)
+    piecewise_cuda_graphs: bool = flag_field(
+        True, "run steps that carry prompt chunks eagerly, not through the piecewise CUDA graphs "
+        "(graphs of the layers between the attentions, captured at start for up to 512 tokens a "
+        "step); decode and verifying steps keep their graphs", flag="--no-piecewise-cuda-graphs",
+        negated=True, group=_RUNTIME)
     kernel_warmup: bool = flag_field(
         True, "skip compiling, at start, every Triton kernel variant a step can need (on GPUs: "
         "seconds to a minute on a first start, less from Triton's cache); a step that first meets "
@@ -426,6 +433,7 @@ class EngineArgs:
                                       long_prefill_token_threshold=self.long_prefill_token_threshold),
             device=self.device,
             enforce_eager=self.enforce_eager,
+            piecewise_cuda_graphs=self.piecewise_cuda_graphs,
             kernel_warmup=self.kernel_warmup,
             attention_backend=self.attention_backend,
             async_scheduling=self.async_scheduling,

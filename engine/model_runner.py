@@ -209,8 +209,10 @@ class ModelRunner:
         sched = self.config.scheduler
         self.graphs = DecodeGraphs(self.model, self.kv_caches, sched.max_num_seqs,
                                    max_model_len, self.block_size, self.device)
-        # Prompt chunks, alone or beside decodes: the layers between the attentions.
-        self.piecewise = PiecewiseGraphs(self.model, self.kv_caches, sched.max_num_batched_tokens, self.device)
+        if self.config.piecewise_cuda_graphs:
+            # Prompt chunks, alone or beside decodes: the layers between the attentions.
+            self.piecewise = PiecewiseGraphs(self.model, self.kv_caches, sched.max_num_batched_tokens,
+                                             self.device)
         spec = self.config.speculative
         if spec is not None:
             # Verifying steps (1 + k rows a request) replay graphs of their own; eagerly

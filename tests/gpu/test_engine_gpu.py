@@ -25,20 +25,25 @@ def prompts(seed=1):
 # The MoE models run the routing, alignment and grouped-GEMM kernels of
 # kernels/moe_routing_triton.py and fused_moe_triton.py.
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "mixtral"])
-@pytest.mark.parametrize("mode", ["eager", "cuda-graphs", "piecewise"])
+@pytest.mark.parametrize("mode", ["eager", "cuda-graphs", "piecewise", "no-piecewise"])
 def test_fp32_greedy_matches_hf_on_gpu(tmp_path, arch, mode):
     """piecewise: a 64-token budget, so prompts go in chunks beside decodes,
-    every such step through the piecewise graphs (engine/piecewise_graphs.py)."""
+    every such step through the piecewise graphs (engine/piecewise_graphs.py);
+    no-piecewise: the same under --no-piecewise-cuda-graphs, those steps eager."""
     from tandem.engine import LLM, SamplingParams
 
     path, hf = tiny_model_dir(tmp_path, arch)
     hf = hf.cuda()
     ps = prompts()
-    budget = {"max_num_batched_tokens": 64} if mode == "piecewise" else {}
-    llm = LLM(path, device="cuda", dtype="float32", enforce_eager=mode == "eager", num_blocks=1024, **budget)
+    budget = {"max_num_batched_tokens": 64} if mode.endswith("piecewise") else {}
+    llm = LLM(path, device="cuda", dtype="float32", enforce_eager=mode == "eager", num_blocks=1024,
+              piecewise_cuda_graphs=mode != "no-piecewise", **budget)
     outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=16, logprobs=5, ignore_eos=True))
+    runner = llm.engine.runner
     if mode == "piecewise":
-        assert llm.engine.runner.piecewise.replays > 0
+        assert runner.piecewise.replays > 0
+    elif mode == "no-piecewise":
+        assert runner.piecewise is None and runner.graphs is not None
     for p, out in zip(ps, outs):
         ref = hf_greedy_cuda(hf, p, 16)
         c = out.outputs[0]

@@ -1,6 +1,7 @@
 """`tandem bench mixed-steps` on the CPU: its timed steps carry the prompt
 chunk beside the decodes and go through the piecewise graphs when the runner
 has them (emulated here); on a CPU engine the command prints eager rows only."""
+import itertools
 import json
 import subprocess
 import sys
@@ -20,9 +21,10 @@ def test_each_timed_step_carries_the_chunk_through_the_pieces(tmp_path):
     try:
         engine, runner = llm.engine, llm.engine.runner
         runner.piecewise = EmulatedPiecewiseGraphs(runner.model, runner.kv_caches, 64, torch.device("cpu"))
-        for i in range(3):
-            engine.add_request(f"d{i}", [5 + i, 6, 7, 8], SamplingParams(temperature=0, max_tokens=100,
-                                                                         ignore_eos=True))
+        vocab = runner.model.config.vocab_size
+        for i in range(3):  # prompts as the command's (run) decodes have, from the same first tokens
+            engine.add_request(f"d{i}", [(1000 + 7 * i + j) % vocab for j in range(40)],
+                               SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
         engine.step()
         engine.scheduler.config.long_prefill_token_threshold = 8
         computed = []
@@ -30,16 +32,17 @@ def test_each_timed_step_carries_the_chunk_through_the_pieces(tmp_path):
 
         def counting_step():
             out = step()
-            prompt = engine.scheduler.requests.get("p")
-            computed.append(prompt.num_computed_tokens if prompt is not None else None)
+            prompts = [r for r in engine.scheduler.requests.values() if r.request_id.startswith("p-")]
+            computed.append((prompts[0].request_id, prompts[0].num_computed_tokens) if prompts else None)
             return out
         engine.step = counting_step
-        timing = time_chunked_steps(engine, 8, 3, "p", 1000, lambda: None)
+        timing = time_chunked_steps(engine, 8, 3, "p", itertools.count(1000, 7), lambda: None)
         assert len(timing.steps) == len(timing.forwards) == 3 and len(timing.periods) == 1
-        assert timing.replays == 6  # every timed step, alone and back to back
-        # The prompt advances a chunk a step, and it is gone after.
-        assert [b - a for a, b in zip(computed, computed[1:]) if b is not None] == [8] * (len(computed) - 1)
-        assert "p" not in engine.scheduler.requests
+        assert timing.replays == 10  # every step, the two warm-up steps of each half too
+        # Each half's prompt advances a chunk a step, from its first step on, and is gone after.
+        assert [c for c in computed if c is not None] == [
+            (f"p-{half}", 8 * k) for half in ("alone", "back-to-back") for k in range(1, 6)]
+        assert not any(r.startswith("p-") for r in engine.scheduler.requests)
     finally:
         llm.shutdown()
 
@@ -64,3 +67,13 @@ def test_a_chunk_past_the_token_budget_is_refused_by_name(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 2
     assert "give --max-num-batched-tokens 6 or more" in run.stderr
+
+
+def test_prompts_past_the_models_context_are_refused_by_name(tmp_path):
+    # 200 timed steps of 16-token chunks need 203 x 16 = 3,248-token prompts; the tiny model has 2,048.
+    path, _ = tiny_model_dir(tmp_path, "llama")
+    run = subprocess.run([sys.executable, "-m", "tandem.bench.mixed_steps", "--model", path, "--device", "cpu",
+                          "--batch-sizes", "2", "--chunks", "4,16", "--steps", "200"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2
+    assert "need prompts of 3248 tokens, past the model's context (2048); give fewer --steps" in run.stderr

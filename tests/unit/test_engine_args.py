@@ -92,10 +92,12 @@ def test_choices_come_from_the_annotation():
 
 def test_to_cli_args_reproduces_every_non_default_value():
     given = parse("--model", "/m", "--block-size", "32", "--no-prefix-caching", "--enforce-eager",
+                  "--no-piecewise-cuda-graphs",
                   "--kv-transfer", "store", "--kv-store", "h:1", "--gpu-memory-utilization", "0.45",
                   "--attention-backend", "torch")
     argv = given.to_cli_args()
     assert parse(*argv) == given
+    assert given.create_engine_config().piecewise_cuda_graphs is False
     assert "--max-num-seqs" not in argv and "--policy" not in argv  # defaults stay implicit
     assert parse().to_cli_args() == []
 

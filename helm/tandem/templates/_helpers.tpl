@@ -124,10 +124,13 @@ Usage: include "tandem.engineEnv" (dict "root" $ "role" "decode") | fromYaml */}
 {{- range $name, $value := $args }}
 {{- if kindIs "invalid" $value }}
 {{- else if eq $name "enable_prefix_caching" }}
-{{- /* the settings whose flags are negations: --no-prefix-caching, --no-kernel-warmup */}}
+{{- /* the settings whose flags are negations: --no-prefix-caching, --no-kernel-warmup,
+--no-piecewise-cuda-graphs */}}
 {{- $_ := set $env "TANDEM_NO_PREFIX_CACHING" (toString (not $value)) }}
 {{- else if eq $name "kernel_warmup" }}
 {{- $_ := set $env "TANDEM_NO_KERNEL_WARMUP" (toString (not $value)) }}
+{{- else if eq $name "piecewise_cuda_graphs" }}
+{{- $_ := set $env "TANDEM_NO_PIECEWISE_CUDA_GRAPHS" (toString (not $value)) }}
 {{- else }}
 {{- $_ := set $env (printf "TANDEM_%s" (upper $name)) (include "tandem.envValue" $value) }}
 {{- end }}
