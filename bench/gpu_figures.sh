@@ -10,6 +10,10 @@ set -u
 OUT=${OUT:-/tmp/tandem-gpu}
 SWEEP_SHAPES=${SWEEP_SHAPES-1x512,1x1024,1x2048,1x4096,1x8192,8x512,8x1024,8x2048,32x512,32x1024,64x512,256x8192}
 STUBS=${STUBS:-bench-results/disagg-assets/stubs}  # made by `bash bench/gpu_disagg.sh prepare`
+# The tests that import the stubs (the store's, the direct pull's) also need, in the wheels
+# that travel, grpcio-health-checking and grpcio of the stubs' version: wheels.sh drops grpcio
+# as the image has one, so fetch it alone (pip download --no-deps --only-binary=:all:
+# --python-version 3.12 --platform manylinux2014_x86_64 -d .whl grpcio==VERSION).
 mkdir -p "$OUT" /tmp/pkg/tandem/v1
 # Map the folders onto the tandem.* import tree without installing; tandem.v1 gets the protos
 # and, where `prepare` made them, the gRPC stubs (tests/gpu/test_kv_pull_gpu.py needs them).
