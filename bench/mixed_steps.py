@@ -2,7 +2,7 @@
 of decodes, run through the piecewise CUDA graphs (engine/piecewise_graphs.py)
 and eagerly, in one process.
 
-BATCH sequences of about CONTEXT tokens decode while one long prompt is
+BATCH sequences of about CONTEXT tokens decode while a long prompt is
 prefilled CHUNK tokens a step (the scheduler's long_prefill_token_threshold),
 as in serving when a request arrives during decoding. For each (batch, chunk)
 the steps are timed with the runner's piecewise graphs and with them set

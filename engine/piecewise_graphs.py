@@ -23,13 +23,10 @@ KV, and no real row reads them: every op in a piece is row by row.
 
 Steps of more than MAX_TOKENS tokens run eagerly, as in vLLM, whose largest
 captured size is 512 tokens by default: their GPU time outweighs the
-launches. (1,024 was measured too: Llama-3-8B steps of 576-768 tokens
-gained 1.3-1.6x on a host whose eager launches took 31 ms, and lost 2-6% on
-one where they took 14-18 ms, padding to the next bucket included; that
-engine started in 15.6 s, 12.1 s without pieces. docs/benchmarks.md, the
-seventeenth session.) A KV connector's layer hooks (its loads and saves) run
-between the pieces, so the steps that carry them, which the decode graphs cannot
-take, come here too.
+launches. (A cap of 1,024 was measured and not taken: it won or lost with
+the host's launch speed; docs/benchmarks.md, the seventeenth session.) A KV
+connector's layer hooks (its loads and saves) run between the pieces, so the
+steps that carry them, which the decode graphs cannot take, come here too.
 """
 from __future__ import annotations
 
