@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from tests.support.hf_oracle import compare_with_tie_rule, hf_greedy, tiny_model_dir
+from tests.support.hf_oracle import compare_with_tie_rule, tiny_model_dir
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from tests.support.emulated_graphs import EmulatedPiecewiseGraphs
@@ -60,20 +61,16 @@ def test_the_command_prints_eager_rows_on_a_cpu(tmp_path):
     assert all(r["eager"]["step_ms"] > 0 and "piecewise" not in r for r in result["rows"])
 
 
-def test_a_chunk_past_the_token_budget_is_refused_by_name(tmp_path):
-    path, _ = tiny_model_dir(tmp_path, "llama")
-    run = subprocess.run([sys.executable, "-m", "tandem.bench.mixed_steps", "--model", path, "--device", "cpu",
-                          "--batch-sizes", "2", "--chunks", "4", "--max-num-batched-tokens", "5"],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 2
-    assert "give --max-num-batched-tokens 6 or more" in run.stderr
-
-
-def test_prompts_past_the_models_context_are_refused_by_name(tmp_path):
+@pytest.mark.parametrize("args, message", [
+    # 2 decodes beside a 4-token chunk need a 6-token budget.
+    (["--chunks", "4", "--max-num-batched-tokens", "5"], "give --max-num-batched-tokens 6 or more"),
     # 200 timed steps of 16-token chunks need 203 x 16 = 3,248-token prompts; the tiny model has 2,048.
+    (["--chunks", "4,16", "--steps", "200"],
+     "need prompts of 3248 tokens, past the model's context (2048); give fewer --steps"),
+], ids=["past-the-token-budget", "past-the-context"])
+def test_settings_the_steps_cannot_carry_are_refused_by_name(tmp_path, args, message):
     path, _ = tiny_model_dir(tmp_path, "llama")
     run = subprocess.run([sys.executable, "-m", "tandem.bench.mixed_steps", "--model", path, "--device", "cpu",
-                          "--batch-sizes", "2", "--chunks", "4,16", "--steps", "200"],
-                         capture_output=True, text=True, timeout=300)
+                          "--batch-sizes", "2", *args], capture_output=True, text=True, timeout=300)
     assert run.returncode == 2
-    assert "need prompts of 3248 tokens, past the model's context (2048); give fewer --steps" in run.stderr
+    assert message in run.stderr
