@@ -78,6 +78,9 @@ for what in "${@:-tests latency throughput}"; do
       done ;;
     throughput)
       python -m tandem.bench.throughput --preset qwen3-0.6b --dataset sharegpt --num-prompts 1000 \
-        --hf-batch-size 128 --output-json "$OUT/throughput_qwen3_0.6b.json" ;;
+        --hf-batch-size 128 --output-json "$OUT/throughput_qwen3_0.6b.json"
+      # Issue 20's offline workload, its time by the path of its steps (bench/step_breakdown.py).
+      timeout 150 python -m tandem.bench.throughput --preset llama-3-8b --num-prompts 1000 --input-len 128 1024 \
+        --output-len 256 --max-num-seqs 256 --no-hf --step-breakdown --output-json "$OUT/throughput_llama3_8b.json" ;;
   esac
 done

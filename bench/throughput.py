@@ -6,14 +6,18 @@ against the time it took)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from tandem.engine.config import KV_TRANSFER_FIELDS, EngineArgs
+
+if TYPE_CHECKING:
+    from tandem.bench.step_breakdown import StepRecorder
 
 
 @dataclass
@@ -65,6 +69,10 @@ def register(subparsers) -> None:
                         "goes through the grammar's mask); both: after an untimed warm-up pass, the "
                         "engine runs the prompts without and then with the schema and prints the "
                         "slowdown (default none)")
+    p.add_argument("--step-breakdown", action="store_true",
+                   help="after the run, the first pass's time by the path its engine steps took (decode "
+                        "graphs, verifying graphs, piecewise graphs, eager), each beside the compute "
+                        "roofline of its tokens (bench/step_breakdown.py)")
     EngineArgs.add_cli_args(p, skip=KV_TRANSFER_FIELDS)
     p.set_defaults(handler=run)
 
@@ -89,7 +97,10 @@ LONG_JSON_SCHEMA = {"type": "object", "properties": {"values": {
     "type": "array", "items": {"type": "integer"}, "minItems": 10_000}}, "required": ["values"]}
 
 
-def run_engine(args, prompts, output_lens, llm=None, structured: bool = False) -> tuple[ThroughputResult, object]:
+def run_engine(args, prompts, output_lens, llm=None, structured: bool = False,
+               record_steps: bool = False) -> tuple[ThroughputResult, object, Optional[StepRecorder]]:
+    """(the pass's result, the LLM, with record_steps the timed pass's StepRecorder)."""
+    from tandem.bench.step_breakdown import StepRecorder
     from tandem.engine import LLM, SamplingParams, StructuredOutputs
 
     from tandem.bench.presets import with_preset
@@ -108,13 +119,15 @@ def run_engine(args, prompts, output_lens, llm=None, structured: bool = False) -
                   for n in output_lens]
         llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
     _sync(llm.engine.runner.device)
+    recorder = StepRecorder(llm.engine) if record_steps else None
     start = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    with recorder or contextlib.nullcontext():
+        outs = llm.generate(prompts, params)
     _sync(llm.engine.runner.device)
     seconds = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     name = "tandem+json-schema" if structured else "tandem"
-    return ThroughputResult(name, len(prompts), sum(map(len, prompts)), produced, seconds), llm
+    return ThroughputResult(name, len(prompts), sum(map(len, prompts)), produced, seconds), llm, recorder
 
 
 def _sync(device) -> None:
@@ -184,10 +197,13 @@ def run(args: argparse.Namespace) -> int:
         # The first pass over the workload pays one-time costs (kernel
         # compilation for new shapes, allocator growth): untimed, so that
         # neither of the two compared passes carries them.
-        _, llm = run_engine(args, prompts, output_lens)
+        _, llm, _ = run_engine(args, prompts, output_lens)
         print("warm-up pass done", file=sys.stderr)
+    recorder = None
     for structured in {"none": [False], "json": [True], "both": [False, True]}[args.structured]:
-        ours, llm = run_engine(args, prompts, output_lens, llm, structured)
+        ours, llm, recorded = run_engine(args, prompts, output_lens, llm, structured,
+                                         record_steps=args.step_breakdown and not results)
+        recorder = recorder or recorded
         print(f"{ours.system}: {ours.output_tokens_per_s:.1f} output tok/s in {ours.seconds:.2f} s",
               file=sys.stderr)
         results.append(ours)
@@ -208,6 +224,15 @@ def run(args: argparse.Namespace) -> int:
           f"tokens) at the {roofline.peak_flops / 1e12:.3g} TFLOP/s {roofline.precision} matmul peak measured "
           f"now = {roofline.workload_flops / roofline.peak_flops:.2f} s; took {roofline.seconds:.2f} s: "
           f"{roofline.fraction:.2f} of the roofline")
+    shares = None
+    if recorder is not None:
+        from tandem.bench.step_breakdown import print_shares
+
+        # The first pass's steps; parameters per token as the roofline counted them.
+        shares = recorder.shares(roofline.workload_flops / (results[0].input_tokens + results[0].output_tokens),
+                                 roofline.peak_flops)
+        print(f"the {results[0].system} pass by the path of its steps:")
+        print_shares(shares)
     ratio: Optional[float] = None
     if results[-1].system == "hf-transformers":
         ratio = results[0].output_tokens_per_s / results[-1].output_tokens_per_s
@@ -221,7 +246,9 @@ def run(args: argparse.Namespace) -> int:
             json.dump({"args": vars(args) | {"handler": None},
                        "results": [asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in results],
                        "ratio": ratio, "structured_slowdown": slowdown, "engine": engine,
-                       "roofline": asdict(roofline) | {"fraction": roofline.fraction}}, f, indent=2)
+                       "roofline": asdict(roofline) | {"fraction": roofline.fraction},
+                       "step_breakdown": [asdict(x) | {"of_roofline": x.of_roofline} for x in shares]
+                       if shares is not None else None}, f, indent=2)
     return 0
 
 

@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
           "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+# The ways ModelRunner.forward runs a step (ModelRunner.last_path).
+FORWARD_PATHS = ("decode graphs", "verifying graphs", "piecewise graphs", "eager")
 
 
 def verify_shape(plan: SchedulerOutput) -> Optional[tuple[np.ndarray, np.ndarray]]:
@@ -136,6 +138,9 @@ class ModelRunner:
         self.graphs = None  # set by enable_cuda_graphs once the engine knows max_model_len
         self.verify_graphs = None  # the same, for speculative decoding's verifying steps
         self.piecewise = None  # the same, for the other steps of up to piecewise_graphs.MAX_TOKENS tokens
+        # Which of forward's paths the last step took (FORWARD_PATHS): for `bench throughput
+        # --step-breakdown`, which sums the run's time by path.
+        self.last_path = ""
         self.warmup_report = None  # set by warm_up_kernels, where it runs
         self.block_table = BlockTable(config.scheduler.max_num_seqs)
         self._arange = np.arange(config.scheduler.max_num_seqs + 1, dtype=np.int64)
@@ -351,12 +356,16 @@ class ModelRunner:
         replayed = None
         if (self.graphs is not None and not hooked and batch.meta.is_decode_only
                 and self.graphs.bucket(plan.num_entries) is not None):
+            self.last_path = "decode graphs"
             replayed = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
         elif verify is not None and self.verify_graphs.fits_verify(*verify):
+            self.last_path = "verifying graphs"
             replayed = self.verify_graphs.run_verify(batch.input_ids, batch.positions, batch.meta, *verify)
         elif self.piecewise is not None and self.piecewise.bucket(batch.input_ids.shape[0]) is not None:
+            self.last_path = "piecewise graphs"
             hidden = self.piecewise.run(batch.input_ids, batch.positions, batch.meta, before_layer, after_layer)
         else:
+            self.last_path = "eager"
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta,
                                 before_layer, after_layer)
         if not plan.sampled:
