@@ -47,6 +47,9 @@ KVTransfer = Literal["store", "direct", "nixl"]
 # kernels, torch the plain-torch twins (which cannot be captured in CUDA
 # graphs). On the CPU the twins always run.
 AttentionBackend = Literal["auto", "triton", "torch"]
+# The KV cache's storage: the model's dtype, or FP8 e4m3 (fp8 and fp8_e4m3 are
+# one thing, vLLM's two names for it).
+KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
 
 
 @dataclass
@@ -84,6 +87,9 @@ class CacheConfig:
     # requests swap their KV there, evicted prefix-cache blocks stay findable
     # there. 0: no tier, preemption recomputes.
     swap_space_gib: float = 0.0
+    # How keys and values are stored: "auto" in the model's dtype, "fp8" as
+    # e4m3 (kernels/kv_cache_dtype.py): half a bf16 cache's bytes.
+    cache_dtype: KVCacheDtype = "auto"
 
 
 @dataclass
@@ -269,6 +275,14 @@ class EngineArgs:
         "tier, preemption recomputes. With --kv-transfer the tiers go device, host, then the "
         "connector's (the store, a prefill). Per rank under tensor parallelism (each keeps its "
         "own heads)", group=_CACHE, metavar="GIB")
+    kv_cache_dtype: KVCacheDtype = flag_field(
+        "auto", "how the KV cache stores keys and values: auto in --dtype; fp8 (or fp8_e4m3) as "
+        "e4m3 with a scale of one, as vLLM without checkpoint scales (values clamped to +-448): "
+        "half the bytes of bf16, so twice the blocks in the same memory and half the KV a decode "
+        "step reads, at some accuracy (greedy tokens may differ from the model dtype's cache). "
+        "Blocks are named by it: engines of another KV dtype never share blocks through a store. "
+        "On CUDA needs compute capability 8.9+ (Ada, Hopper); the CPU twins take it anywhere",
+        group=_CACHE)
 
     # --- scheduler
     max_num_batched_tokens: Optional[int] = flag_field(
@@ -426,7 +440,7 @@ class EngineArgs:
                               gpu_memory_utilization=self.gpu_memory_utilization,
                               cpu_kv_cache_gib=self.cpu_kv_cache_gib,
                               enable_prefix_caching=self.enable_prefix_caching,
-                              swap_space_gib=self.swap_space),
+                              swap_space_gib=self.swap_space, cache_dtype=self.kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs, policy=self.policy,
                                       staging_queue_size=self.staging_queue_size,

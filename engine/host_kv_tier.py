@@ -130,13 +130,15 @@ class HostKVBuffer:
             self._copy(torch, kv_cache, swap_out, swap_in)
 
     def _copy(self, torch, kv_cache, swap_out, swap_in) -> None:
+        from tandem.kernels.kv_cache_dtype import movable  # FP8 caches copy as bytes
+
         if swap_out:
             blocks = torch.tensor([b for b, _ in swap_out], device=kv_cache.device)
             slots = torch.tensor([s for _, s in swap_out])
             gathered = kv_cache.index_select(2, blocks).permute(2, 0, 1, 3, 4, 5)
-            self.slots.index_copy_(0, slots, gathered.to("cpu"))
+            movable(self.slots).index_copy_(0, slots, movable(gathered.to("cpu")))
         if swap_in:
             slots = torch.tensor([s for s, _ in swap_in])
             blocks = torch.tensor([b for _, b in swap_in], device=kv_cache.device)
             moved = self.slots.index_select(0, slots).to(kv_cache.device, non_blocking=True)
-            kv_cache.index_copy_(2, blocks, moved.permute(1, 2, 0, 3, 4, 5))
+            movable(kv_cache).index_copy_(2, blocks, movable(moved.permute(1, 2, 0, 3, 4, 5)))

@@ -29,6 +29,7 @@ from tandem.engine.models.llama import LayerHook, head_dim_of
 from tandem.engine.plan import SchedulerOutput
 from tandem.engine.tensor_parallel import rank_device, shard_size, tp_group
 from tandem.kernels import AttentionMetadata, compile_log
+from tandem.kernels.kv_cache_dtype import FP8_KV_DTYPE
 from tandem.kernels.ops import set_attention_backend, triton_backend_selected
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,20 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {name!r}")
     return DTYPES[name]
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's dtype for --kv-cache-dtype `name` (config.KVCacheDtype)."""
+    if name == "auto":
+        return model_dtype
+    if name not in ("fp8", "fp8_e4m3"):
+        raise ValueError(f"--kv-cache-dtype must be one of auto, fp8, fp8_e4m3; got {name!r}")
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(f"--kv-cache-dtype {name}: the kernels' e4m3 conversions need a GPU of compute "
+                         f"capability 8.9 or newer (Ada, Hopper); this one is {major}.{minor}: use "
+                         "--kv-cache-dtype auto")
+    return FP8_KV_DTYPE
 
 
 @dataclass
@@ -96,6 +111,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             compile_log.install()  # a step that waits for a compile says so (the slow-step log)
         self.dtype = resolve_dtype(config.model.dtype, self.device.type)
+        self.kv_dtype = resolve_kv_cache_dtype(config.cache.cache_dtype, self.dtype, self.device)
         hf = info.hf_config
         self.block_size = config.cache.block_size
         # Checked before any weight is read: an FP8 the model or GPU cannot run fails fast.
@@ -118,10 +134,10 @@ class ModelRunner:
         # This rank's KV heads: each tensor-parallel rank caches its own
         num_kv_heads = shard_size(getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads, "KV heads")
         self.num_heads = shard_size(hf.num_attention_heads, "attention heads")  # this rank's
-        # The model id and dtype name the blocks: KV of another model or
+        # The model id and dtypes name the blocks: KV of another model or
         # precision never matches, in this process or in a shared store.
         layout = KVCacheLayout(hf.num_hidden_layers, 0, self.block_size, num_kv_heads, head_dim_of(hf),
-                               self.dtype, self.device, model_key=self._model_key(info.model_id))
+                               self.kv_dtype, self.device, model_key=self._model_key(info.model_id))
         self.layout = dataclasses.replace(
             layout, num_blocks=self._decide_num_blocks(layout.block_bytes + extra_block_bytes))
         self.kv_cache: Optional[torch.Tensor] = None  # bind_kv_cache
@@ -132,7 +148,7 @@ class ModelRunner:
                              f"{self.layout.block_bytes} bytes: give at least that, or 0 to turn swapping off")
         self.host_kv: Optional[HostKVBuffer] = None
         if self.num_host_slots:
-            self.host_kv = HostKVBuffer(self.num_host_slots, self.layout.shape, self.dtype,
+            self.host_kv = HostKVBuffer(self.num_host_slots, self.layout.shape, self.kv_dtype,
                                         pin=self.device.type == "cuda")
         self.kv_caches: list[torch.Tensor] = []
         self.graphs = None  # set by enable_cuda_graphs once the engine knows max_model_len
@@ -153,8 +169,11 @@ class ModelRunner:
         self._host_lists = not (self.device.type == "cuda" and triton_backend_selected())
 
     def _model_key(self, model_id: str) -> str:
-        # FP8 weights compute other K/V than the bf16 ones: their blocks get other names.
+        # FP8 weights compute other K/V than the bf16 ones, and an FP8 cache stores
+        # them rounded: their blocks get other names.
         suffix = f"|{self.quantization}" if self.quantization else ""
+        if self.kv_dtype != self.dtype:
+            suffix += f"|kv={self.kv_dtype}"
         return f"{model_id}|{self.dtype}{suffix}"
 
     @property
@@ -172,14 +191,14 @@ class ModelRunner:
         """Use `kv_cache` (a KV connector's, e.g. shared memory) or a fresh zeroed
         one. One allocation for every layer; each layer's cache is a view of it."""
         if kv_cache is None:
-            kv_cache = zeroed_kv_cache(self.layout.shape, self.dtype, self.device)
-        elif tuple(kv_cache.shape) != self.layout.shape or kv_cache.dtype != self.dtype:
+            kv_cache = zeroed_kv_cache(self.layout.shape, self.kv_dtype, self.device)
+        elif tuple(kv_cache.shape) != self.layout.shape or kv_cache.dtype != self.kv_dtype:
             raise ValueError(f"KV cache {tuple(kv_cache.shape)} {kv_cache.dtype} does not match the "
-                             f"layout {self.layout.shape} {self.dtype}")
+                             f"layout {self.layout.shape} {self.kv_dtype}")
         self.kv_cache = kv_cache
         self.kv_caches = list(kv_cache.unbind(0))
-        log.info("model on %s (%s), %d KV blocks of %d tokens", self.device, self.dtype,
-                 self.num_blocks, self.block_size)
+        log.info("model on %s (%s), %d KV blocks of %d tokens (%s)", self.device, self.dtype,
+                 self.num_blocks, self.block_size, self.kv_dtype)
 
     def warm_up_kernels(self, max_model_len: int) -> None:
         """Compile the Triton kernel variants any step can need, now rather than

@@ -194,9 +194,11 @@ def gather_to_first(x: torch.Tensor) -> Optional[list[torch.Tensor]]:
     """Every rank's x on rank 0, in rank order (None on the other ranks)."""
     import torch.distributed as dist
 
+    from tandem.kernels.kv_cache_dtype import movable  # gloo has no FP8: an FP8 cache's KV goes as bytes
+
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(_group.world_size)] if _group.rank == 0 else None
-    dist.gather(x, gather_list=parts, dst=0)
+    dist.gather(movable(x), gather_list=[movable(p) for p in parts] if parts is not None else None, dst=0)
     return parts
 
 
@@ -205,7 +207,10 @@ def scatter_from_first(out: torch.Tensor, parts: Optional[list[torch.Tensor]] = 
     shaped as out; None on the other ranks)."""
     import torch.distributed as dist
 
-    dist.scatter(out, scatter_list=[p.contiguous() for p in parts] if parts is not None else None, src=0)
+    from tandem.kernels.kv_cache_dtype import movable  # as gather_to_first
+
+    dist.scatter(movable(out), scatter_list=[movable(p.contiguous()) for p in parts] if parts is not None else None,
+                 src=0)
 
 
 def gather_objects_to_first(obj: object) -> Optional[list]:

@@ -28,6 +28,7 @@ import torch
 
 from tandem.engine.connector.base import KVCacheView
 from tandem.engine.tensor_parallel import gather_to_first, scatter_from_first, tp_group
+from tandem.kernels.kv_cache_dtype import movable
 
 
 @dataclass
@@ -58,7 +59,7 @@ class TPKVCacheView(KVCacheView):
     # ---- loads ---------------------------------------------------------------
     def write_blocks(self, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
         h = self.heads
-        self.kv_cache[:, :, block_ids] = blocks[..., :h, :]
+        movable(self.kv_cache)[:, :, block_ids] = movable(blocks[..., :h, :])
         # The other ranks' heads leave with the plan, after the caller has
         # reused `blocks` (staging slots): copied now, onto the cache's device
         # (NCCL scatters device memory only).
@@ -105,7 +106,7 @@ def receive_loads(kv_cache: torch.Tensor, block_ids: list[int]) -> None:
     received = torch.empty((layers, 2, len(block_ids), block_size, heads, head_dim), dtype=kv_cache.dtype,
                            device=kv_cache.device)
     scatter_from_first(received)
-    kv_cache[:, :, torch.tensor(block_ids, device=kv_cache.device)] = received
+    movable(kv_cache)[:, :, torch.tensor(block_ids, device=kv_cache.device)] = movable(received)
 
 
 def send_layer(kv_cache: torch.Tensor, layer: int, block_ids: torch.Tensor) -> None:

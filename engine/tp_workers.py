@@ -111,7 +111,7 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: EngineCon
     if exports_kv_cache(config):  # the direct transfer's producer: a decode reads every rank's cache
         from tandem.engine.connector.shared_cache import ExportedKVCache
 
-        shared = ExportedKVCache(runner.layout.shape, runner.dtype, runner.device)
+        shared = ExportedKVCache(runner.layout.shape, runner.kv_dtype, runner.device)
         runner.bind_kv_cache(shared.tensor)
         gather_objects_to_first(shared.export)
     else:

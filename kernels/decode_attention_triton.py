@@ -144,8 +144,10 @@ def _decode_partition_kernel(
         block = tl.load(bt_row + toks // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
         offs = (block * stride_cache_block + (toks % BLOCK_SIZE) * stride_cache_slot
                 + head_off)[:, None] + dims[None, :]
-        k = tl.load(key_cache_ptr + offs, mask=tok_mask[:, None], other=0.0)
-        v = tl.load(value_cache_ptr + offs, mask=tok_mask[:, None], other=0.0)
+        # An FP8 cache's values widen to the query's dtype (exactly): the products stay as
+        # with a cache of that dtype, only half the bytes travel.
+        k = tl.load(key_cache_ptr + offs, mask=tok_mask[:, None], other=0.0).to(q.dtype)
+        v = tl.load(value_cache_ptr + offs, mask=tok_mask[:, None], other=0.0).to(q.dtype)
         s = mma(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * scale_log2
         s = tl.where(tok_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))

@@ -1,13 +1,15 @@
 """Plain-torch twins of the paged attention ops: the CPU path and the test oracle.
 
 Clarity over speed: one sequence at a time, gathering its context from the
-block table. Accumulation is in float32 whatever the cache dtype.
+block table. Accumulation is in float32 whatever the cache dtype (an FP8
+cache's values are widened to float32 as they are read).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from tandem.kernels.kv_cache_dtype import movable, to_cache_dtype
 from tandem.kernels.metadata import AttentionMetadata
 
 
@@ -15,15 +17,16 @@ def write_kv_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
                    slot_mapping: torch.Tensor) -> None:
     """Store key/value [num_tokens, num_kv_heads, head_dim] at their slots.
 
-    Slots < 0 mark padding tokens and are skipped.
+    Slots < 0 mark padding tokens and are skipped. An FP8 cache stores them
+    rounded and clamped (kv_cache_dtype.py).
     """
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    movable(flat[0]).index_copy_(0, slot_mapping, movable(to_cache_dtype(key, kv_cache.dtype)))
+    movable(flat[1]).index_copy_(0, slot_mapping, movable(to_cache_dtype(value, kv_cache.dtype)))
 
 
 def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int

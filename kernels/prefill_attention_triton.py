@@ -65,6 +65,9 @@ def _online_softmax_step(q, k, v, m_i, l_i, acc, visible, scale_log2, MASKED: tl
     [BLOCK_M, BLOCK_N] holds count; otherwise every row sees the whole tile
     and no mask is built. m_i is in units of scaled scores (s * scale_log2),
     so that a score costs one fused multiply-add before its exp2."""
+    # An FP8 cache's tiles widen to the query's dtype (exactly) before the products.
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     s = mma(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST)
     if MASKED:  # -inf stays -inf once scaled (scale_log2 > 0), and exp2 makes it 0
         s = tl.where(visible, s, float("-inf"))

@@ -6,8 +6,9 @@
 Each case draws a fresh cache full of random values, shuffled
 (non-contiguous) block tables, GQA ratios, head dims, block sizes, context
 lengths and batch shapes (decode-only, and mixed decode + prefill with and
-without a cached prefix). write_kv must match bit for bit; attention must
-match the twin within the dtype's tolerance (relative L2 error).
+without a cached prefix), each cache of the query's dtype or of FP8 (e4m3,
+--kv-cache-dtype fp8). write_kv must match bit for bit; attention must
+match the twin within the query dtype's tolerance (relative L2 error).
 Exit status 0 means every case passed. The interpreter must be switched on
 before triton is first imported, which is why this runs as its own process.
 """
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.kernels.kv_cache_dtype import FP8_KV_DTYPE, is_fp8, movable
 from tandem.kernels.metadata import AttentionMetadata
 from tandem.kernels.paged_attention_torch import paged_attention_torch, write_kv_torch
 
@@ -29,6 +31,9 @@ from tandem.kernels.paged_attention_torch import paged_attention_torch, write_kv
 # where the kernel rounds the softmax weights to the input dtype for P @ V.
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# (query dtype, cache dtype) of the cases, in turn: an FP8 cache serves bf16 models.
+CASE_DTYPES = ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+               (torch.float16, torch.float16), (torch.bfloat16, FP8_KV_DTYPE))
 
 
 @dataclass
@@ -44,8 +49,10 @@ class Batch:
 
 def make_batch(gen: torch.Generator, seq_lens: list[int], q_lens: list[int], num_kv_heads: int,
                group: int, head_dim: int, block_size: int, dtype: torch.dtype,
-               device: str, pad_tokens: int = 0, spare_blocks: int = 8) -> Batch:
-    """A batch whose block tables are a random permutation of the cache's blocks.
+               device: str, pad_tokens: int = 0, spare_blocks: int = 8,
+               cache_dtype: torch.dtype | None = None) -> Batch:
+    """A batch whose block tables are a random permutation of the cache's blocks;
+    the cache of cache_dtype (None: dtype).
 
     pad_tokens extra query rows with slot -1 are appended (as a CUDA-graph
     padded batch has); they belong to no sequence.
@@ -88,7 +95,7 @@ def make_batch(gen: torch.Generator, seq_lens: list[int], q_lens: list[int], num
     return Batch(query=rand(num_tokens, num_heads, head_dim),
                  key=rand(num_tokens, num_kv_heads, head_dim),
                  value=rand(num_tokens, num_kv_heads, head_dim),
-                 kv_cache=rand(2, num_blocks, block_size, num_kv_heads, head_dim),
+                 kv_cache=rand(2, num_blocks, block_size, num_kv_heads, head_dim).to(cache_dtype or dtype),
                  meta=meta, q_lens=list(q_lens))
 
 
@@ -126,9 +133,11 @@ def check_batch(batch: Batch, config=None) -> tuple[bool, float, str]:
     write_kv_torch(batch.key, batch.value, ref_cache, batch.meta.slot_mapping)
     cache = batch.kv_cache.clone()
     write_kv_triton(batch.key, batch.value, cache, batch.meta.slot_mapping)
-    if not torch.equal(cache, ref_cache):
-        bad = int((cache != ref_cache).sum())
-        return False, float("inf"), f"write_kv: {bad} cache elements differ"
+    why = write_mismatch(cache, ref_cache)
+    if why:
+        return False, float("inf"), f"write_kv: {why}"
+    if is_fp8(cache.dtype) and interpreted():
+        cache = ref_cache  # the same bits but for the interpreter's rounding (write_mismatch)
     num_real = sum(batch.q_lens)
     query = batch.query[:num_real]
     scale = query.shape[-1] ** -0.5
@@ -151,6 +160,36 @@ def check_batch(batch: Batch, config=None) -> tuple[bool, float, str]:
     return True, err, ""
 
 
+def write_mismatch(cache: torch.Tensor, ref: torch.Tensor) -> str:
+    """Why the Triton write's cache differs from the twin's; empty if it does not.
+
+    Bit for bit, but where Triton's interpreter (3.9) converts to FP8 in its
+    own way: it rounds ties away from zero (the GPU and torch: to even), and
+    where rounding up carries into the next power of two it gives half of it
+    (31.6 -> 16, not 32). So under the interpreter an e4m3 element may be the
+    twin's neighbour (codes one apart, same sign), or half the twin's where
+    that is a power of two; the GPU run checks the bits.
+    """
+    differ = movable(cache) != movable(ref)
+    if not bool(differ.any()):
+        return ""
+    if is_fp8(cache.dtype) and interpreted():
+        got, want = cache[differ], ref[differ]
+        got_code, want_code = (t.view(torch.uint8).int() for t in (got, want))
+        neighbour = ((got_code >> 7) == (want_code >> 7)) & ((got_code & 0x7F) - (want_code & 0x7F)).abs().le(1)
+        want_f = want.float()
+        carry_flaw = (got.float() * 2 == want_f) & (torch.frexp(want_f.abs()).mantissa == 0.5)
+        if bool((neighbour | carry_flaw | (got.float() == want_f)).all()):
+            return ""
+    return f"{int(differ.sum())} cache elements differ"
+
+
+def interpreted() -> bool:
+    from tandem.kernels.common_triton import interpreted as triton_interpreted
+
+    return triton_interpreted()
+
+
 def check_new_kv_rows(batch: Batch, cache: torch.Tensor, ref: torch.Tensor,
                       config=None) -> tuple[bool, float, str]:
     """The prefill kernel reading this step's own tokens' K/V through tensor
@@ -163,6 +202,8 @@ def check_new_kv_rows(batch: Batch, cache: torch.Tensor, ref: torch.Tensor,
     from tandem.kernels.attention_triton import DEFAULT_CONFIG
     from tandem.kernels.prefill_attention_triton import prefill_attention, tma_rows_usable
 
+    if cache.dtype != batch.key.dtype:  # an FP8 cache: the engine reads every tile from it
+        return True, 0.0, ""
     num_real = sum(batch.q_lens)
     query, key, value = (t[:num_real].flatten(1) for t in (batch.query, batch.key, batch.value))
     fused = torch.cat([query, key, value], dim=1)
@@ -231,13 +272,14 @@ def check_padding_rows(gen: torch.Generator, dtype: torch.dtype, device: str,
     return True, 0.0, ""
 
 
-def check_decode_graph(gen: torch.Generator, dtype: torch.dtype) -> tuple[bool, float, str]:
+def check_decode_graph(gen: torch.Generator, dtype: torch.dtype,
+                       cache_dtype: torch.dtype) -> tuple[bool, float, str]:
     """The decode path under CUDA-graph capture: replay after changing lengths and tables."""
     from tandem.kernels.attention_triton import paged_attention_triton
 
     max_len, batch_size = 2048, 32
     lens = [max_len] + [int(x) for x in torch.randint(1, max_len, (batch_size - 1,), generator=gen)]
-    b = make_batch(gen, lens, [1] * batch_size, 8, 4, 128, 16, dtype, "cuda")
+    b = make_batch(gen, lens, [1] * batch_size, 8, 4, 128, 16, dtype, "cuda", cache_dtype=cache_dtype)
     scale = 128 ** -0.5
     paged_attention_triton(b.query, b.kv_cache, b.meta, scale)  # compile outside capture
     torch.cuda.synchronize()
@@ -261,11 +303,11 @@ def check_decode_graph(gen: torch.Generator, dtype: torch.dtype) -> tuple[bool, 
 
 def small_cases(rng: random.Random):
     """Interpreter-sized cases: every GQA ratio x head dim x block size, cycling dtypes."""
-    dtypes = itertools.cycle([torch.float32, torch.bfloat16, torch.float16])
+    dtypes = itertools.cycle(CASE_DTYPES)
     for group, head_dim, block_size in itertools.product((1, 3, 4), (64, 128), (16, 32)):
-        dtype = next(dtypes)
+        dtype, cache_dtype = next(dtypes)
         shape = dict(num_kv_heads=2, group=group, head_dim=head_dim, block_size=block_size,
-                     dtype=dtype)
+                     dtype=dtype, cache_dtype=cache_dtype)
         decode_lens = [1, rng.randint(2, 40), rng.randint(100, 300)]
         yield "decode", shape, decode_lens, [1] * 3, 0
         # decode + prefill with a cached prefix + prefill from scratch + a padding row
@@ -277,12 +319,12 @@ def small_cases(rng: random.Random):
 
 def full_cases(rng: random.Random):
     """GPU-sized cases: contexts 1..4k, batches up to 256."""
-    dtypes = itertools.cycle([torch.bfloat16, torch.float16, torch.float32])
+    dtypes = itertools.cycle(CASE_DTYPES[1:] + CASE_DTYPES[:1])
     for (kv, group), head_dim, block_size in itertools.product(
             ((8, 4), (2, 3), (4, 1)), (64, 128), (16, 32)):
-        dtype = next(dtypes)
+        dtype, cache_dtype = next(dtypes)
         shape = dict(num_kv_heads=kv, group=group, head_dim=head_dim, block_size=block_size,
-                     dtype=dtype)
+                     dtype=dtype, cache_dtype=cache_dtype)
         for batch_size in (1, 7, 64, 256):
             lens = [rng.randint(1, 4096) for _ in range(batch_size)]
             lens[0] = 4096 if batch_size > 1 else rng.choice((1, 4096))
@@ -321,15 +363,19 @@ def run(size: str, seed: int, device: str, verbose: bool) -> int:
         cases, configs = full_cases(rng), [None]
     failures, count, worst = 0, 0, {}
     t0 = time.perf_counter()
+    # Triton's e4m3 conversions need compute capability 8.9+ (the engine refuses FP8 caches below).
+    fp8_runs = device != "cuda" or torch.cuda.get_device_capability() >= (8, 9)
     for i, (kind, shape, seq_lens, q_lens, pad) in enumerate(cases):
+        if is_fp8(shape["cache_dtype"]) and not fp8_runs:
+            continue
         config = configs[i % len(configs)]
         batch = make_batch(gen, seq_lens, q_lens, device=device, pad_tokens=pad, **shape)
         ok, err, why = check_batch(batch, config)
         count += 1
-        key = str(shape["dtype"]).removeprefix("torch.")
+        key = str(shape["dtype"]).removeprefix("torch.") + ("/fp8-kv" if is_fp8(shape["cache_dtype"]) else "")
         worst[key] = max(worst.get(key, 0.0), err)
         line = (f"{kind:6s} kv_heads={shape['num_kv_heads']} group={shape['group']} "
-                f"head_dim={shape['head_dim']} block={shape['block_size']} {key:8s} "
+                f"head_dim={shape['head_dim']} block={shape['block_size']} {key:15s} "
                 f"seqs={len(seq_lens)} max_len={max(seq_lens)} err={err:.2e}")
         if not ok:
             failures += 1
@@ -350,14 +396,16 @@ def run(size: str, seed: int, device: str, verbose: bool) -> int:
                 elif verbose:
                     print(f"ok   {what} {dtype} err={err:.2e}", flush=True)
     if device == "cuda":
-        for dtype in (torch.bfloat16, torch.float16):
-            ok, err, why = check_decode_graph(gen, dtype)
+        for dtype, cache_dtype in CASE_DTYPES[1:]:
+            if is_fp8(cache_dtype) and not fp8_runs:
+                continue
+            ok, err, why = check_decode_graph(gen, dtype, cache_dtype)
             count += 1
             if not ok:
                 failures += 1
-                print("FAIL decode under CUDA graph", why, flush=True)
+                print("FAIL decode under CUDA graph", dtype, cache_dtype, why, flush=True)
             elif verbose:
-                print(f"ok   decode under CUDA graph {dtype} err={err:.2e}", flush=True)
+                print(f"ok   decode under CUDA graph {dtype} {cache_dtype} err={err:.2e}", flush=True)
     summary = " ".join(f"{k}={v:.1e}" for k, v in sorted(worst.items()))
     print(f"checked {count} cases, {failures} failed, worst error {summary}, "
           f"{time.perf_counter() - t0:.1f}s", flush=True)

@@ -47,6 +47,8 @@ from typing import TYPE_CHECKING, Mapping, Optional, Protocol, Sequence
 
 import torch
 
+from tandem.kernels.kv_cache_dtype import movable
+
 if TYPE_CHECKING:
     from tandem.engine.plan import SchedulerOutput
     from tandem.engine.request import Request
@@ -201,7 +203,7 @@ class KVCacheView:
         """Write whole blocks, [layers, 2, n, block_size, kv_heads, head_dim], into
         these cache blocks. `blocks` may be reused by the caller once this returns
         (on a GPU: once the current stream has passed this point)."""
-        self.kv_cache[:, :, block_ids] = blocks
+        movable(self.kv_cache)[:, :, block_ids] = movable(blocks)  # FP8: as bytes (kv_cache_dtype.py)
 
 
 @dataclass

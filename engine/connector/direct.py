@@ -37,6 +37,7 @@ from tandem.engine.connector.base import KVCacheLayout
 from tandem.engine.connector.pull import PullConnector, PullMeta
 from tandem.engine.connector.shared_cache import ExportedKVCache, KVExport, OpenedKVCache, open_export
 from tandem.engine.tensor_parallel import shard_size
+from tandem.kernels.kv_cache_dtype import movable
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ class DirectConnector(PullConnector):
     def _copy_per_layer(self, src_cache: torch.Tensor, src_ids: list[int], dst_ids: list[int]) -> None:
         """One process on each side: straight into this cache, a layer at a
         time (a temporary of one layer's blocks only)."""
-        dst_cache = self.kv_cache
+        dst_cache, src_cache = movable(self.kv_cache), movable(src_cache)  # FP8: as bytes
         src = torch.tensor(src_ids, device=src_cache.device)
         dst = torch.tensor(dst_ids, device=dst_cache.device)
         for layer in range(dst_cache.shape[0]):

@@ -16,7 +16,7 @@ import torch
 MAGIC = b"TKB1"
 HEADER_BYTES = 64
 _HEADER = struct.Struct("<4sB3x5I")
-DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float8_e4m3fn: 4}
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 
 

@@ -51,6 +51,36 @@ def test_fp32_greedy_matches_hf_on_gpu(tmp_path, arch, mode):
         assert [lp.logprob for lp in c.logprobs[:n]] == pytest.approx(ref.logprobs[:n], abs=1e-3)
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                    reason="an FP8 KV cache needs compute capability 8.9+")
+@pytest.mark.parametrize("mode", ["cuda-graphs", "piecewise"])
+def test_fp8_kv_cache_kernels_give_the_twins_greedy_tokens(tmp_path, mode):
+    """--kv-cache-dtype fp8 has no HF oracle: the Triton kernels (the write,
+    decode and prefill attention on e4m3 blocks, in CUDA graphs) are checked
+    against the engine on their torch twins on the same GPU, fp32 otherwise.
+    The write rounds alike (bit for bit, kernels/selfcheck.py); the products
+    differ in their order only, below what moves a steep LM head's choice."""
+    from tandem.engine import LLM, SamplingParams
+
+    path, _ = tiny_model_dir(tmp_path, "llama", lm_head_scale=8.0)
+    ps = prompts()
+    budget = {"max_num_batched_tokens": 64} if mode == "piecewise" else {}
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=1, ignore_eos=True)
+    runs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(path, device="cuda", dtype="float32", kv_cache_dtype="fp8", num_blocks=1024,
+                  attention_backend=backend, **budget)
+        assert llm.engine.runner.kv_cache.dtype == torch.float8_e4m3fn
+        runs[backend] = [o.outputs[0] for o in llm.generate(ps, params)]
+        if backend == "triton" and mode == "piecewise":
+            assert llm.engine.runner.piecewise.replays > 0
+        llm.shutdown()
+    for twin, kernel in zip(runs["torch"], runs["triton"]):
+        assert kernel.token_ids == twin.token_ids
+        assert [lp.logprob for lp in kernel.logprobs] == pytest.approx([lp.logprob for lp in twin.logprobs],
+                                                                         abs=1e-2)
+
+
 def hf_greedy_cuda(hf, prompt, n):
     # hf_greedy builds CPU tensors; move them for a CUDA model
     from tests.support.hf_oracle import OracleRun

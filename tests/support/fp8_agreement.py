@@ -1,7 +1,8 @@
 """FP8 greedy agreement with the bf16 engine on the real embedded model
 (SmolLM2-135M-Instruct): issue 19's ">= 97% of greedy tokens", on the CPU
 (tests/unit/test_fp8.py, the dequantizing twin) and on a GPU
-(tests/gpu/test_fp8_gpu.py, the FP8 GEMM).
+(tests/gpu/test_fp8_gpu.py, the FP8 GEMM); the same measure for an FP8 KV
+cache (--kv-cache-dtype fp8) in tests/unit/test_fp8_kv_cache.py.
 
 Teacher forced, as tests/support/bf16_agreement.py: the bf16 engine's greedy
 continuation of each prompt is the history; at every position the FP8 engine
@@ -17,17 +18,22 @@ from tests.support.bf16_agreement import NEW_TOKENS, QUESTIONS, TEXT
 
 
 def fp8_agreement(device: str, tensor_parallel_size: int = 1) -> tuple[int, int]:
-    """(positions where FP8 picks bf16's token, positions); tensor_parallel_size:
+    """(positions where FP8 weights pick bf16's token, positions); tensor_parallel_size:
     the FP8 engine's (the bf16 one is whole)."""
+    return agreement_with_bf16(device, "FP8", quantization="fp8", tensor_parallel_size=tensor_parallel_size)
+
+
+def agreement_with_bf16(device: str, label: str, **engine_kwargs) -> tuple[int, int]:
+    """(positions where the bf16 engine given engine_kwargs, e.g.
+    kv_cache_dtype="fp8", picks the plain bf16 engine's token, positions)."""
     histories, expected = _bf16_reference(device)
-    llm = LLM("smollm2", device=device, dtype="bfloat16", quantization="fp8", num_blocks=4096,
-              tensor_parallel_size=tensor_parallel_size)
+    llm = LLM("smollm2", device=device, dtype="bfloat16", num_blocks=4096, **engine_kwargs)
     try:
         outs = llm.generate(histories, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     finally:
         llm.shutdown()
     agreed = sum(o.outputs[0].token_ids[0] == e for o, e in zip(outs, expected))
-    print(f"FP8 agreement with bf16 on SmolLM2 ({device}, TP={tensor_parallel_size}): {agreed}/{len(expected)} "
+    print(f"{label} agreement with bf16 on SmolLM2 ({device}, {engine_kwargs}): {agreed}/{len(expected)} "
           f"({agreed / len(expected):.1%})")
     return agreed, len(expected)
 

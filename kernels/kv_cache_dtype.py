@@ -1,0 +1,33 @@
+"""The KV cache's storage dtype: the model's own, or FP8 (e4m3, `--kv-cache-dtype fp8`).
+
+An FP8 cache holds keys and values as e4m3 with a scale of one, as vLLM does
+for a checkpoint without KV scales: a value is rounded to the nearest e4m3
+(3 mantissa bits) and clamped to +-448, its largest finite value. Attention
+widens the stored values back to the query's dtype before its products, so
+only the cache's bytes halve: a decode step reads half the KV of a bf16
+cache, and the same memory holds twice the blocks.
+"""
+from __future__ import annotations
+
+import torch
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_E4M3_MAX = 448.0  # the largest finite e4m3 (float8_e4m3fn) value
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype == FP8_KV_DTYPE
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as the cache stores it. FP8 saturates at +-448 rather than turning
+    larger values into NaN, as the Triton write does (satfinite)."""
+    if is_fp8(dtype):
+        return x.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(dtype)
+    return x.to(dtype)
+
+
+def movable(t: torch.Tensor) -> torch.Tensor:
+    """t, or its bytes where t is FP8: torch's CPU index_copy_ has no FP8
+    kernel, and a copy of bytes is the same copy."""
+    return t.view(torch.uint8) if is_fp8(t.dtype) else t
