@@ -30,6 +30,17 @@ def dot_settings(dtype: torch.dtype) -> dict:
     }
 
 
+def fp16_products(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether attention over this cache multiplies in fp16: an FP8 (e4m3)
+    cache beside bf16 or fp16 queries. e4m3 widens to fp16 in one instruction
+    for two values (sm89+), to bf16 only through fp32: in bf16 the widening
+    cost more than the halved reads saved (H200, docs/benchmarks.md). Exact
+    either way (e4m3 values are fp16 values); the queries become fp16 too,
+    whose range holds any real query, and the softmax weights, in [0, 1],
+    round to fp16 instead of bf16 before P @ V (three more bits)."""
+    return cache_dtype.itemsize == 1 and query_dtype in (torch.bfloat16, torch.float16)
+
+
 @triton.jit
 def mma(a, b, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
     """a @ b with fp32 accumulation."""

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.common_triton import dot_settings, mma, pdl_launch, pdl_prologue
+from tandem.kernels.common_triton import dot_settings, fp16_products, mma, pdl_launch, pdl_prologue
 
 LOG2E = 1.4426950408889634
 
@@ -95,7 +95,7 @@ def _decode_partition_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, FP16_PRODUCTS: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
     seq = tl.program_id(0)
@@ -115,6 +115,8 @@ def _decode_partition_kernel(
     # Issued before the length is known: the two loads travel together.
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_q_tok + heads[:, None] * stride_q_head
                 + dims[None, :], mask=row_mask[:, None], other=0.0)
+    if FP16_PRODUCTS:  # an FP8 cache (common_triton.fp16_products)
+        q = q.to(tl.float16)
     if start >= seq_len:
         zero = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
         if SINGLE_SPLIT or FUSED_REDUCE:
@@ -144,8 +146,7 @@ def _decode_partition_kernel(
         block = tl.load(bt_row + toks // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
         offs = (block * stride_cache_block + (toks % BLOCK_SIZE) * stride_cache_slot
                 + head_off)[:, None] + dims[None, :]
-        # An FP8 cache's values widen to the query's dtype (exactly): the products stay as
-        # with a cache of that dtype, only half the bytes travel.
+        # An FP8 cache's values widen (exactly) to the products' dtype, q's.
         k = tl.load(key_cache_ptr + offs, mask=tok_mask[:, None], other=0.0).to(q.dtype)
         v = tl.load(value_cache_ptr + offs, mask=tok_mask[:, None], other=0.0).to(q.dtype)
         s = mma(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * scale_log2
@@ -375,7 +376,8 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         GROUP_P2=max(2, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SINGLE_SPLIT=single, FUSED_REDUCE=fused,
         SPLIT_CHUNK=choices.split_chunk,
-        **dot_settings(query.dtype), **pdl, num_warps=num_warps, num_stages=num_stages,
+        **dot_settings(query.dtype), FP16_PRODUCTS=fp16_products(query.dtype, key_cache.dtype), **pdl,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if not single and not fused:
         _decode_reduce_kernel[(num_seqs, num_heads)](

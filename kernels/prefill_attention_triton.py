@@ -33,7 +33,7 @@ try:  # Triton 3.4 and later
 except ImportError:
     TensorDescriptor = None
 
-from tandem.kernels.common_triton import dot_settings, mma
+from tandem.kernels.common_triton import dot_settings, fp16_products, mma
 
 LOG2E = 1.4426950408889634
 
@@ -65,7 +65,7 @@ def _online_softmax_step(q, k, v, m_i, l_i, acc, visible, scale_log2, MASKED: tl
     [BLOCK_M, BLOCK_N] holds count; otherwise every row sees the whole tile
     and no mask is built. m_i is in units of scaled scores (s * scale_log2),
     so that a score costs one fused multiply-add before its exp2."""
-    # An FP8 cache's tiles widen to the query's dtype (exactly) before the products.
+    # An FP8 cache's tiles widen (exactly) to the products' dtype, q's.
     k = k.to(q.dtype)
     v = v.to(q.dtype)
     s = mma(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST)
@@ -93,7 +93,7 @@ def _prefill_kernel(
     stride_o_tok, stride_o_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NEW_KV_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, FP16_PRODUCTS: tl.constexpr,
 ):
     # The longest row tiles first: under causal attention a tile's work grows
     # with its index, and starting the long ones early leaves short ones for
@@ -117,6 +117,8 @@ def _prefill_kernel(
     head = kv_head * GROUP + rows % GROUP
     q_off = tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + dims[None, :]
     q = tl.load(q_ptr + q_off, mask=row_mask[:, None], other=0.0)
+    if FP16_PRODUCTS:  # an FP8 cache (common_triton.fp16_products)
+        q = q.to(tl.float16)
 
     head_off = kv_head * stride_cache_head
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
@@ -240,7 +242,7 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, NEW_KV_TMA=new_kv is not None,
-        **dot_settings(query.dtype),
+        **dot_settings(query.dtype), FP16_PRODUCTS=fp16_products(query.dtype, key_cache.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
