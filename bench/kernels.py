@@ -122,6 +122,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--head-dim", type=int, default=128, help="head dimension")
     add_flag(parser, "--block-size", type=int, default=16, help="tokens per KV block")
     add_flag(parser, "--dtype", choices=DTYPES, default="bf16", help="KV cache and query dtype")
+    add_flag(parser, "--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+             help="the decode table's KV cache: auto in --dtype, fp8 in e4m3 (the engine's "
+                  "--kv-cache-dtype fp8); the bytes a step reads count its 1-byte elements")
     add_flag(parser, "--copy-mib", type=int, default=2048,
              help="size of the buffer copied to measure copy bandwidth, MiB")
     add_flag(parser, "--sweep", type=bool,
@@ -132,6 +135,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--sweep-shapes", type=_shape_list,
              default=",".join(f"{b}x{c}" for b, c in SWEEP_SHAPES),
              help="decode shapes the sweep times, as BATCHxCONTEXT, comma-separated")
+    add_flag(parser, "--tile-sweep", type=bool,
+             help="also time the decode kernel's tiles (tokens a tile, warps, pipeline stages) "
+                  "on --sweep-shapes, the splits as the defaults choose them")
     add_flag(parser, "--skip-prefill", type=bool,
              help="leave out the prefill and mixed (decodes + prompt chunk) tables")
     add_flag(parser, "--json", default="kernels.json", help="where to write all numbers")
@@ -206,11 +212,16 @@ class DecodeBench:
         gen = torch.Generator(device="cuda").manual_seed(0)
         self.kv_cache = torch.randn(2, self.pool_blocks, bs, args.num_kv_heads, args.head_dim,
                                     device="cuda", dtype=self.dtype, generator=gen)
+        if args.kv_cache_dtype == "fp8":
+            from tandem.kernels.kv_cache_dtype import FP8_KV_DTYPE
+
+            self.kv_cache = self.kv_cache.to(FP8_KV_DTYPE)
 
     @property
     def block_bytes(self) -> int:
         a = self.args
-        return 2 * a.block_size * a.num_kv_heads * a.head_dim * 2  # K and V, 2-byte dtype
+        item = 1 if a.kv_cache_dtype == "fp8" else 2
+        return 2 * a.block_size * a.num_kv_heads * a.head_dim * item  # K and V
 
     def input_sets(self, batch: int, context: int):
         import torch
@@ -384,6 +395,36 @@ def run_mixed(args: argparse.Namespace, ceilings: Ceilings) -> list[MixedRow]:
     return rows
 
 
+def run_tile_sweep(bench: DecodeBench, args: argparse.Namespace, ceilings: Ceilings) -> list[dict]:
+    """The decode kernel's tiles on the sweep shapes, splits and reduce as the defaults
+    choose them: each row is the fraction of the copy bandwidth a tile setting reads KV at."""
+    from dataclasses import replace
+
+    from tandem.kernels.attention_triton import DEFAULT_CONFIG, AttentionConfig, decode_tiles
+
+    results = []
+    base = decode_tiles(DEFAULT_CONFIG.decode, bench.kv_cache.dtype)
+    for block_n in (32, 64, 128, 256):
+        for warps in (4, 8):
+            for stages in (2, 3, 4):
+                d = replace(base, block_n=block_n, fp8_block_n=block_n, num_warps=warps, num_stages=stages)
+                cfg = AttentionConfig(decode=d)
+                try:
+                    rows = [bench.run(b, c, cfg, check=True, same_size_copy=False) for b, c in args.sweep_shapes]
+                except Exception as exc:  # a tile that does not fit (shared memory): say so, go on
+                    print(f"tiles block_n={block_n} warps={warps} stages={stages}: {type(exc).__name__}",
+                          flush=True)
+                    continue
+                fracs = [r.kv_gbps / ceilings.copy_gbps for r in rows]
+                worst = max(r.max_rel_error for r in rows)
+                results.append({"config": asdict(d), "shapes": args.sweep_shapes, "fractions": fracs,
+                                "us": [r.us for r in rows], "max_rel_error": worst})
+                print(f"tiles block_n={block_n} warps={warps} stages={stages}: "
+                      + " ".join(f"{r.us:.0f}us/{f:.2f}" for r, f in zip(rows, fracs))
+                      + f" err {worst:.1e}", flush=True)
+    return results
+
+
 def run_sweep(bench: DecodeBench, args: argparse.Namespace, ceilings: Ceilings) -> list[dict]:
     from tandem.kernels.attention_triton import AttentionConfig, DecodeConfig, PrefillConfig
 
@@ -478,11 +519,14 @@ def run(args: argparse.Namespace) -> int:
     report = Report(device=torch.cuda.get_device_name(0), torch_version=torch.__version__,
                     triton_version=triton.__version__,
                     shape={k: getattr(args, k) for k in ("num_heads", "num_kv_heads",
-                                                         "head_dim", "block_size", "dtype")},
+                                                         "head_dim", "block_size", "dtype",
+                                                         "kv_cache_dtype")},
                     ceilings=ceilings)
     bench = DecodeBench(args)
     if args.sweep:
         report.sweep = run_sweep(bench, args, ceilings)
+    if args.tile_sweep:
+        report.sweep += run_tile_sweep(bench, args, ceilings)
     for batch in args.batches:
         for context in args.contexts:
             row = bench.run(batch, context)

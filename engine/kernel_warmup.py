@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
@@ -79,11 +79,12 @@ def prompt_batch(num_tokens: int, max_model_len: int) -> WarmupBatch:
 
 def warmup_batches(*, num_heads: int, num_kv_heads: int, head_dim: int, max_model_len: int,
                    max_num_seqs: int, max_num_batched_tokens: int,
-                   device: torch.device) -> list[WarmupBatch]:
-    """The batches that make every compile-time choice a step of this engine can make."""
+                   device: torch.device, cache_dtype: Optional[torch.dtype] = None) -> list[WarmupBatch]:
+    """The batches that make every compile-time choice a step of this engine can
+    make (over a KV cache of cache_dtype: an FP8 cache's decode tiles differ)."""
     batches = [prompt_batch(n, max_model_len) for n in prompt_token_counts(max_num_batched_tokens)]
     variants = decode_variants(num_heads, num_kv_heads, head_dim, max_model_len,
-                               min(max_num_seqs, max_num_batched_tokens), device)
+                               min(max_num_seqs, max_num_batched_tokens), device, cache_dtype=cache_dtype)
     for num_seqs, longest in sorted(set(variants.values())):
         # One sequence at the longest context; the others at 1 token.
         batches.append(WarmupBatch((1,) * num_seqs, (longest,) + (1,) * (num_seqs - 1)))

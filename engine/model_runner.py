@@ -214,7 +214,8 @@ class ModelRunner:
             num_heads=self.num_heads,
             num_kv_heads=self.layout.num_kv_heads, head_dim=self.layout.head_dim,
             max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
-            max_num_batched_tokens=sched.max_num_batched_tokens, device=self.device)
+            max_num_batched_tokens=sched.max_num_batched_tokens, device=self.device,
+            cache_dtype=self.kv_dtype)
         self.warmup_report = report = kernel_warmup.warm_up(self.model, self.kv_caches, batches,
                                                             self.block_size, self.device)
         log.info("kernel warm-up: %d batches in %.1f s, %s Triton kernels compiled", report.batches,

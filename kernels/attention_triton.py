@@ -11,6 +11,7 @@ decode path can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
@@ -46,6 +47,18 @@ class DecodeConfig:
     # more than the launch it saves: on the H100 fusing won at 2-8 splits and
     # lost at 16-32 (docs/kernels.md, version 6).
     fused_max_splits: int = 8
+    # block_n over an FP8 cache (decode_tiles): a tile of 1-byte elements.
+    fp8_block_n: int = 128
+
+
+def decode_tiles(cfg: DecodeConfig, cache_dtype: Optional[torch.dtype]) -> DecodeConfig:
+    """The decode settings for a cache of cache_dtype: an FP8 cache's tile holds
+    fp8_block_n tokens. With 64 tokens of 1-byte elements a tile moved half a
+    bf16 tile's bytes, and the kernel read no faster than over bf16 (H200,
+    docs/benchmarks.md)."""
+    if cache_dtype is not None and cache_dtype.itemsize == 1:
+        return dataclasses.replace(cfg, block_n=cfg.fp8_block_n)
+    return cfg
 
 
 @dataclass(frozen=True)
@@ -100,12 +113,14 @@ def decode_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, nu
 
 def decode_variants(num_heads: int, num_kv_heads: int, head_dim: int, max_model_len: int,
                     max_num_seqs: int, device: torch.device,
-                    config: AttentionConfig | None = None) -> dict[DecodeChoices, tuple[int, int]]:
+                    config: AttentionConfig | None = None,
+                    cache_dtype: Optional[torch.dtype] = None) -> dict[DecodeChoices, tuple[int, int]]:
     """Every set of decode-kernel choices a decode batch of at most
     max_num_seqs sequences, none longer than max_model_len, makes on this
-    device; each with a (num_seqs, max_seq_len) that makes it, the smallest
-    batch first. A Triton compile each: kernel_warmup makes them all at start."""
-    d = (config or DEFAULT_CONFIG).decode
+    device over a cache of cache_dtype; each with a (num_seqs, max_seq_len)
+    that makes it, the smallest batch first. A Triton compile each:
+    kernel_warmup makes them all at start."""
+    d = decode_tiles((config or DEFAULT_CONFIG).decode, cache_dtype)
     num_sms = _num_sms(device)
     group = num_heads // num_kv_heads
     found: dict[DecodeChoices, tuple[int, int]] = {}
@@ -154,7 +169,7 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, meta: At
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     if meta.is_decode_only and num_tokens == meta.num_seqs:
         # One query row per sequence: row i belongs to sequence i.
-        d = cfg.decode
+        d = decode_tiles(cfg.decode, key_cache.dtype)
         partition = decode_partition_size(meta.num_seqs, num_kv_heads, meta.max_seq_len,
                                           _num_sms(query.device), d)
         return decode_attention(query, key_cache, value_cache, meta.block_tables,

@@ -11,7 +11,7 @@ import torch
 import triton
 
 from tandem.engine import kernel_warmup
-from tandem.kernels.attention_triton import DEFAULT_CONFIG, decode_partition_size, decode_variants
+from tandem.kernels.attention_triton import DEFAULT_CONFIG, decode_partition_size, decode_tiles, decode_variants
 from tandem.kernels.decode_attention_triton import decode_choices
 
 
@@ -21,15 +21,16 @@ from tandem.kernels.decode_attention_triton import decode_choices
     (9, 3, 64, 78, 2048),  # SmolLM2-135M, another SM count
     (8, 1, 64, 16, 4096),
 ])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8-kv-cache"])
 def test_every_decode_choice_a_batch_makes_is_warmed(monkeypatch, num_heads, num_kv_heads, head_dim,
-                                                     num_sms, max_model_len):
+                                                     num_sms, max_model_len, cache_dtype):
     from tandem.kernels import attention_triton
 
     monkeypatch.setattr(attention_triton, "_num_sms", lambda device: num_sms)
     max_num_seqs = 512
-    d = DEFAULT_CONFIG.decode
+    d = decode_tiles(DEFAULT_CONFIG.decode, cache_dtype)  # an FP8 cache's tiles hold more tokens
     variants = decode_variants(num_heads, num_kv_heads, head_dim, max_model_len, max_num_seqs,
-                               torch.device("cpu"))
+                               torch.device("cpu"), cache_dtype=cache_dtype)
     group = num_heads // num_kv_heads
 
     def choices_of(num_seqs: int, max_seq_len: int):
