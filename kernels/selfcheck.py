@@ -227,6 +227,26 @@ def check_new_kv_rows(batch: Batch, cache: torch.Tensor, ref: torch.Tensor,
     return err <= tol, err, "" if err <= tol else f"attention, new K/V by descriptor: {err:.2e} > {tol:.0e}"
 
 
+def check_fp8_write_range(gen: torch.Generator, dtype: torch.dtype, device: str) -> tuple[bool, float, str]:
+    """The FP8 write over values from 1e-3 to 1e3 (rounding in every binade,
+    e4m3's subnormals, saturation past 448) in the model's dtype: the same
+    bytes as the twin's (write_mismatch)."""
+    from tandem.kernels.cache_write import write_kv_triton
+
+    n, heads, head_dim, block_size = 512, 2, 64, 16
+    dev_gen = torch.Generator(device=device).manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
+    magnitude = torch.logspace(-3, 3, n, device=device)[:, None, None]
+    key, value = ((torch.randn(n, heads, head_dim, generator=dev_gen, device=device) * magnitude).to(dtype)
+                  for _ in range(2))
+    slots = torch.randperm(n, generator=dev_gen, device=device)
+    cache = torch.zeros(2, n // block_size, block_size, heads, head_dim, device=device, dtype=FP8_KV_DTYPE)
+    ref = cache.clone()
+    write_kv_triton(key, value, cache, slots)
+    write_kv_torch(key, value, ref, slots)
+    why = write_mismatch(cache, ref)
+    return not why, 0.0, f"FP8 write over 1e-3..1e3: {why}" if why else ""
+
+
 def check_grid_above_lengths(gen: torch.Generator, dtype: torch.dtype, device: str,
                              config=None) -> tuple[bool, float, str]:
     """Decode with max_seq_len a bound far above the real lengths, as a CUDA
@@ -395,6 +415,15 @@ def run(size: str, seed: int, device: str, verbose: bool) -> int:
                     print("FAIL", what, config.decode, dtype, why, flush=True)
                 elif verbose:
                     print(f"ok   {what} {dtype} err={err:.2e}", flush=True)
+    if fp8_runs:
+        for dtype in (torch.float32, torch.bfloat16):
+            ok, err, why = check_fp8_write_range(gen, dtype, device)
+            count += 1
+            if not ok:
+                failures += 1
+                print("FAIL", why, dtype, flush=True)
+            elif verbose:
+                print(f"ok   FP8 write over 1e-3..1e3 from {dtype}", flush=True)
     if device == "cuda":
         for dtype, cache_dtype in CASE_DTYPES[1:]:
             if is_fp8(cache_dtype) and not fp8_runs:
