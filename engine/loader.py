@@ -328,6 +328,11 @@ def load_weights(model: torch.nn.Module, source: ModelSource, config: Any, seed:
         return
     kind, path = _readable(source.kind, source.path)
     state = gguf_state_dict(path) if kind == "gguf" else _safetensors_state_dict(path)
+    kv_scales = [name for name in state if name.endswith((".k_scale", ".v_scale", ".kv_scale"))]
+    if kv_scales:  # said, not silently dropped: vLLM would scale an FP8 KV cache by them
+        log.warning("%s carries KV cache scales (%s, %d in all), which tandem does not read: "
+                    "--kv-cache-dtype fp8 stores keys and values with a scale of one", path, kv_scales[0],
+                    len(kv_scales))
     from tandem.engine import fp8  # torch: not at import (the router's view)
 
     if fp8.checkpoint_quantization(config) == "fp8":

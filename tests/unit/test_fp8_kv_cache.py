@@ -61,3 +61,20 @@ def test_fp8_kv_cache_smollm2_agrees_with_bf16_on_most_greedy_tokens():
 def test_an_unknown_kv_cache_dtype_is_refused_by_its_flag():
     with pytest.raises(ConfigError, match="--kv-cache-dtype: 'fp8_e5m2' is not one of auto, fp8, fp8_e4m3"):
         EngineArgs(kv_cache_dtype="fp8_e5m2").create_engine_config()
+
+
+def test_a_checkpoints_kv_scales_are_named_in_a_warning_not_dropped_in_silence(tmp_path, caplog):
+    """vLLM scales an FP8 cache by a checkpoint's k_scale / v_scale; tandem
+    stores with a scale of one and says so at load."""
+    import logging
+
+    from safetensors.torch import save_file
+
+    path, _ = tiny_model_dir(tmp_path, "llama")
+    save_file({"model.layers.0.self_attn.k_scale": torch.tensor(0.5),
+               "model.layers.0.self_attn.v_scale": torch.tensor(0.25)}, f"{path}/kv_scales.safetensors")
+    with caplog.at_level(logging.WARNING, logger="tandem.engine.loader"):
+        llm = LLM(path, kv_cache_dtype="fp8", num_blocks=16)
+        llm.shutdown()
+    warnings = [r.getMessage() for r in caplog.records if "KV cache scales" in r.getMessage()]
+    assert len(warnings) == 1 and "model.layers.0.self_attn.k_scale, 2 in all" in warnings[0], warnings
