@@ -23,6 +23,7 @@ from triton.runtime.errors import OutOfResources
 
 from tandem.kernels.cache_write import _check_head_dim
 from tandem.kernels.decode_attention_triton import DecodeChoices, decode_attention, decode_choices, num_splits_of
+from tandem.kernels.kv_cache_dtype import is_fp8
 from tandem.kernels.metadata import AttentionMetadata
 from tandem.kernels.prefill_attention_triton import prefill_attention, tma_rows_usable
 
@@ -56,7 +57,7 @@ def decode_tiles(cfg: DecodeConfig, cache_dtype: Optional[torch.dtype]) -> Decod
     fp8_block_n tokens. With 64 tokens of 1-byte elements a tile moved half a
     bf16 tile's bytes, and the kernel read no faster than over bf16 (H200,
     docs/benchmarks.md)."""
-    if cache_dtype is not None and cache_dtype.itemsize == 1:
+    if cache_dtype is not None and is_fp8(cache_dtype):
         return dataclasses.replace(cfg, block_n=cfg.fp8_block_n)
     return cfg
 
@@ -179,6 +180,8 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, meta: At
                                 reduce_chunk=d.reduce_chunk, fused_max_splits=d.fused_max_splits)
     # Chosen from host ints only (a captured graph replays the same choice).
     if num_tokens * (num_heads // num_kv_heads) >= cfg.long_prefill.block_m * meta.num_seqs:
+        # Over an FP8 cache the new tokens' tiles come from the cache too: the prompt
+        # then attends to the rounded values its decodes will read.
         if new_kv is not None and not all(tma_rows_usable(rows) and rows.dtype == key_cache.dtype
                                           for rows in new_kv):
             new_kv = None

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.kv_cache_dtype import is_fp8
+
 
 def interpreted() -> bool:
     """Whether Triton's CPU interpreter runs the kernels (TRITON_INTERPRET=1)."""
@@ -38,7 +40,7 @@ def fp16_products(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
     either way (e4m3 values are fp16 values); the queries become fp16 too,
     whose range holds any real query, and the softmax weights, in [0, 1],
     round to fp16 instead of bf16 before P @ V (three more bits)."""
-    return cache_dtype.itemsize == 1 and query_dtype in (torch.bfloat16, torch.float16)
+    return is_fp8(cache_dtype) and query_dtype in (torch.bfloat16, torch.float16)
 
 
 @triton.jit

@@ -3,9 +3,10 @@
 An FP8 cache holds keys and values as e4m3 with a scale of one, as vLLM does
 for a checkpoint without KV scales: a value is rounded to the nearest e4m3
 (3 mantissa bits) and clamped to +-448, its largest finite value. Attention
-widens the stored values back to the query's dtype before its products, so
-only the cache's bytes halve: a decode step reads half the KV of a bf16
-cache, and the same memory holds twice the blocks.
+widens the stored values back, exactly, before its products (to fp16 beside
+16-bit queries: common_triton.fp16_products), so only the cache's bytes
+halve: a decode step reads half the KV of a bf16 cache, and the same memory
+holds twice the blocks.
 """
 from __future__ import annotations
 
