@@ -280,7 +280,8 @@ class EngineArgs:
         "e4m3 with a scale of one, as vLLM without checkpoint scales (values clamped to +-448): "
         "half the bytes of bf16, so twice the blocks in the same memory and half the KV a decode "
         "step reads, at some accuracy (greedy tokens may differ from the model dtype's cache). "
-        "Blocks are named by it: engines of another KV dtype never share blocks through a store. "
+        "Blocks are named by it: engines of another KV dtype never share blocks, so give prefill and "
+        "decode the same value (else decode recomputes every prompt). "
         "On CUDA needs compute capability 8.9+ (Ada, Hopper); the CPU twins take it anywhere",
         group=_CACHE)
 
