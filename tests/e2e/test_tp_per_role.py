@@ -2,7 +2,8 @@
 KV to a TP=1 decode through the KV store, a TP=1 prefill to a TP=2 decode,
 and a TP=2 prefill to a TP=2 decode by the direct transfer (shared memory),
 and the text is LLM.generate's; also with an FP8 KV cache (--kv-cache-dtype
-fp8), whose blocks the ranks gather and the store carries as e4m3 bytes. Real `tandem up` stacks (`--prefill-
+fp8), whose blocks the ranks gather and the store carries as e4m3 bytes.
+Real `tandem up` stacks (`--prefill-
 tensor-parallel-size`, `--decode-tensor-parallel-size`) on a tiny random
 Llama with 8 heads and 4 KV heads (SmolLM2's 9 heads do not split in two)
 that carries SmolLM2's tokenizer, so the router can serve it."""
