@@ -145,12 +145,20 @@ def effective_quantization(hf_config: Any, requested: Optional[str], device: tor
     if method is None:
         return None
     flag = "--quantization fp8" if requested else "--model (an FP8 checkpoint)"
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        major, minor = torch.cuda.get_device_capability(device)
+    too_old = gpu_without_fp8(device)
+    if too_old:
         raise QuantizationError(
             f"{flag}: FP8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper) for its FP8 "
-            f"matrix products; this one is {major}.{minor}: serve a bf16 checkpoint without --quantization")
+            f"matrix products; this one is {too_old}: serve a bf16 checkpoint without --quantization")
     return method
+
+
+def gpu_without_fp8(device: torch.device) -> Optional[str]:
+    """The compute capability ("8.0") of a CUDA device below 8.9, where
+    e4m3 has no hardware conversions or products; None for any other device."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9):
+        return None
+    return "%d.%d" % torch.cuda.get_device_capability(device)
 
 
 def normalize_checkpoint(state: dict[str, torch.Tensor], block: tuple[int, int]) -> dict[str, torch.Tensor]:

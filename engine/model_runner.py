@@ -67,10 +67,10 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.de
         return model_dtype
     if name not in ("fp8", "fp8_e4m3"):
         raise ValueError(f"--kv-cache-dtype must be one of auto, fp8, fp8_e4m3; got {name!r}")
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        major, minor = torch.cuda.get_device_capability(device)
+    too_old = fp8.gpu_without_fp8(device)
+    if too_old:
         raise ValueError(f"--kv-cache-dtype {name}: the kernels' e4m3 conversions need a GPU of compute "
-                         f"capability 8.9 or newer (Ada, Hopper); this one is {major}.{minor}: use "
+                         f"capability 8.9 or newer (Ada, Hopper); this one is {too_old}: use "
                          "--kv-cache-dtype auto")
     return FP8_KV_DTYPE
 

@@ -127,6 +127,7 @@ def check_batch(batch: Batch, config=None) -> tuple[bool, float, str]:
     """Runs write_kv and attention through Triton and the twins; (ok, error, why)."""
     from tandem.kernels.attention_triton import paged_attention_triton
     from tandem.kernels.cache_write import write_kv_triton
+    from tandem.kernels.common_triton import interpreted
     from tandem.kernels.decode_attention_triton import _split_counters
 
     ref_cache = batch.kv_cache.clone()
@@ -170,6 +171,8 @@ def write_mismatch(cache: torch.Tensor, ref: torch.Tensor) -> str:
     twin's neighbour (codes one apart, same sign), or half the twin's where
     that is a power of two; the GPU run checks the bits.
     """
+    from tandem.kernels.common_triton import interpreted
+
     differ = movable(cache) != movable(ref)
     if not bool(differ.any()):
         return ""
@@ -182,12 +185,6 @@ def write_mismatch(cache: torch.Tensor, ref: torch.Tensor) -> str:
         if bool((neighbour | carry_flaw | (got.float() == want_f)).all()):
             return ""
     return f"{int(differ.sum())} cache elements differ"
-
-
-def interpreted() -> bool:
-    from tandem.kernels.common_triton import interpreted as triton_interpreted
-
-    return triton_interpreted()
 
 
 def check_new_kv_rows(batch: Batch, cache: torch.Tensor, ref: torch.Tensor,

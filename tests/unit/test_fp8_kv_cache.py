@@ -78,3 +78,17 @@ def test_a_checkpoints_kv_scales_are_named_in_a_warning_not_dropped_in_silence(t
         llm.shutdown()
     warnings = [r.getMessage() for r in caplog.records if "KV cache scales" in r.getMessage()]
     assert len(warnings) == 1 and "model.layers.0.self_attn.k_scale, 2 in all" in warnings[0], warnings
+
+
+def test_a_gpu_below_compute_capability_8_9_is_refused_by_the_flag(monkeypatch):
+    from tandem.engine.fp8 import gpu_without_fp8
+    from tandem.engine.model_runner import resolve_kv_cache_dtype
+
+    cuda = torch.device("cuda", 0)  # never touched: the capability is what is asked
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert gpu_without_fp8(cuda) == "8.0" and gpu_without_fp8(torch.device("cpu")) is None
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8: .* this one is 8.0: use --kv-cache-dtype auto"):
+        resolve_kv_cache_dtype("fp8", torch.bfloat16, cuda)
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, cuda) == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert resolve_kv_cache_dtype("fp8_e4m3", torch.bfloat16, cuda) == torch.float8_e4m3fn
