@@ -52,6 +52,7 @@ class DecodeConfig:
     fp8_block_n: int = 128
 
 
+@functools.lru_cache(maxsize=None)  # asked by every eager decode attention call: once per config
 def decode_tiles(cfg: DecodeConfig, cache_dtype: Optional[torch.dtype]) -> DecodeConfig:
     """The decode settings for a cache of cache_dtype: an FP8 cache's tile holds
     fp8_block_n tokens. With 64 tokens of 1-byte elements a tile moved half a
