@@ -207,7 +207,10 @@ class DecodeBench:
         props = torch.cuda.get_device_properties(0)
         self.l2_bytes = getattr(props, "L2_cache_size", 50 * 2**20)
         bs = args.block_size
-        self.pool_blocks = max(b * math.ceil(c / bs) for b in args.batches for c in args.contexts)
+        shapes = [(b, c) for b in args.batches for c in args.contexts]
+        if args.sweep or args.tile_sweep:  # the sweeps' shapes draw from the same pool
+            shapes += list(args.sweep_shapes)
+        self.pool_blocks = max(b * math.ceil(c / bs) for b, c in shapes)
         self.pool_blocks = max(self.pool_blocks, 4 * self.l2_bytes // self.block_bytes + 64)
         gen = torch.Generator(device="cuda").manual_seed(0)
         self.kv_cache = torch.randn(2, self.pool_blocks, bs, args.num_kv_heads, args.head_dim,
@@ -252,8 +255,9 @@ class DecodeBench:
     def run(self, batch: int, context: int, config=None, check: bool = True,
             same_size_copy: bool = True) -> DecodeRow:
         from tandem.kernels.attention_triton import (DEFAULT_CONFIG, _num_sms,
-                                                     decode_partition_size,
+                                                     decode_partition_size, decode_tiles,
                                                      paged_attention_triton)
+        from tandem.kernels.decode_attention_triton import num_splits_of
         from tandem.kernels.paged_attention_torch import paged_attention_torch
         from tandem.kernels.selfcheck import rel_error
 
@@ -281,15 +285,16 @@ class DecodeBench:
         gbps = set_bytes / (us * 1e-6) / 1e9
         # 0: not measured (the sweep leaves it out)
         copy_gbps = self.same_size_copy_gbps(set_bytes, len(sets)) if same_size_copy else 0.0
+        d = decode_tiles(config.decode, self.kv_cache.dtype)  # the tiles the call used
         partition = decode_partition_size(batch, a.num_kv_heads, context,
-                                          _num_sms(torch.device("cuda")), config.decode)
-        d = config.decode
+                                          _num_sms(torch.device("cuda")), d)
+        warps, stages = d.launch_tiles(num_splits_of(context, partition))
         return DecodeRow(batch=batch, context=context, us=us, kv_gbps=gbps,
                          fraction_of_copy=0.0, max_rel_error=err, partition_size=partition,
                          same_size_copy_gbps=copy_gbps,
                          fraction_of_same_size_copy=gbps / copy_gbps if copy_gbps else 0.0,
                          config=f"block_n={d.block_n} programs_per_sm={d.programs_per_sm} "
-                                f"warps={d.num_warps} stages={d.num_stages} "
+                                f"warps={warps} stages={stages} "
                                 f"fused_max_splits={d.fused_max_splits}")
 
     def same_size_copy_gbps(self, num_bytes: int, count: int) -> float:
@@ -407,9 +412,11 @@ def run_tile_sweep(bench: DecodeBench, args: argparse.Namespace, ceilings: Ceili
     results = []
     base = decode_tiles(DEFAULT_CONFIG.decode, bench.kv_cache.dtype)
     for block_n in (32, 64, 128, 256):
-        for warps in (4, 8):
+        for warps in (1, 2, 4, 8):
             for stages in (2, 3, 4):
-                d = replace(base, block_n=block_n, fp8_block_n=block_n, num_warps=warps, num_stages=stages)
+                # one tile for every grid, split or not
+                d = replace(base, block_n=block_n, fp8_block_n=block_n, num_warps=warps, num_stages=stages,
+                            single_num_warps=0, fp8_single_num_warps=0)
                 cfg = AttentionConfig(decode=d)
                 try:
                     rows = [bench.run(b, c, cfg, check=True, same_size_copy=False) for b, c in args.sweep_shapes]
