@@ -48,18 +48,35 @@ class DecodeConfig:
     # more than the launch it saves: on the H100 fusing won at 2-8 splits and
     # lost at 16-32 (docs/kernels.md, version 6).
     fused_max_splits: int = 8
-    # block_n over an FP8 cache (decode_tiles): a tile of 1-byte elements.
+    # A grid of one split (each program a whole context: many sequences)
+    # launches with these warps and stages instead; 0: num_warps, num_stages.
+    single_num_warps: int = 0
+    single_num_stages: int = 0
+    # The tiles over an FP8 cache (decode_tiles): 128 tokens of 1-byte
+    # elements, and 2-warp, 2-stage programs where the grid does not split.
+    # Widened to fp16, a 128-token tile's keys and values hold 4-warp programs
+    # to 2 an SM by registers (207 a thread), which waited on their loads at
+    # half the copy bandwidth; 2-warp programs fit twice as many, and read
+    # 1.25x faster at 256 x 512 and 256 x 2048, while split grids (a few
+    # sequences) ran faster with 4 warps (H200, docs/benchmarks.md).
     fp8_block_n: int = 128
+    fp8_single_num_warps: int = 2
+    fp8_single_num_stages: int = 2
+
+    def launch_tiles(self, num_splits: int) -> tuple[int, int]:
+        """(num_warps, num_stages) of a grid of num_splits splits."""
+        if num_splits == 1 and self.single_num_warps:
+            return self.single_num_warps, self.single_num_stages or self.num_stages
+        return self.num_warps, self.num_stages
 
 
 @functools.lru_cache(maxsize=None)  # asked by every eager decode attention call: once per config
 def decode_tiles(cfg: DecodeConfig, cache_dtype: Optional[torch.dtype]) -> DecodeConfig:
-    """The decode settings for a cache of cache_dtype: an FP8 cache's tile holds
-    fp8_block_n tokens. With 64 tokens of 1-byte elements a tile moved half a
-    bf16 tile's bytes, and the kernel read no faster than over bf16 (H200,
-    docs/benchmarks.md)."""
+    """The decode settings for a cache of cache_dtype: an FP8 cache's own tiles
+    (the fp8_* fields)."""
     if cache_dtype is not None and is_fp8(cache_dtype):
-        return dataclasses.replace(cfg, block_n=cfg.fp8_block_n)
+        return dataclasses.replace(cfg, block_n=cfg.fp8_block_n, single_num_warps=cfg.fp8_single_num_warps,
+                                   single_num_stages=cfg.fp8_single_num_stages)
     return cfg
 
 
@@ -138,8 +155,9 @@ def decode_variants(num_heads: int, num_kv_heads: int, head_dim: int, max_model_
         for length in range(d.block_n, max_model_len + d.block_n, d.block_n):
             length = min(length, max_model_len)
             partition = decode_partition_size(num_seqs, num_kv_heads, length, num_sms, d)
-            key = decode_choices(num_splits_of(length, partition), group, head_dim, d.reduce_chunk,
-                                 d.fused_max_splits)
+            splits = num_splits_of(length, partition)
+            key = decode_choices(splits, group, head_dim, d.reduce_chunk, d.fused_max_splits,
+                                 d.launch_tiles(splits)[0])
             found.setdefault(key, (num_seqs, length))
     return found
 
@@ -174,10 +192,11 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, meta: At
         d = decode_tiles(cfg.decode, key_cache.dtype)
         partition = decode_partition_size(meta.num_seqs, num_kv_heads, meta.max_seq_len,
                                           _num_sms(query.device), d)
+        num_warps, num_stages = d.launch_tiles(num_splits_of(meta.max_seq_len, partition))
         return decode_attention(query, key_cache, value_cache, meta.block_tables,
                                 meta.seq_lens, meta.max_seq_len, scale, out,
                                 partition_size=partition, block_n=d.block_n,
-                                num_warps=d.num_warps, num_stages=d.num_stages,
+                                num_warps=num_warps, num_stages=num_stages,
                                 reduce_chunk=d.reduce_chunk, fused_max_splits=d.fused_max_splits)
     # Chosen from host ints only (a captured graph replays the same choice).
     if num_tokens * (num_heads // num_kv_heads) >= cfg.long_prefill.block_m * meta.num_seqs:

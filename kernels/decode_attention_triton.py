@@ -287,11 +287,11 @@ def _decode_reduce_kernel(
     tl.store(o, result.to(out_ptr.dtype.element_ty))
 
 
-def _combine_chunk(splits_pad: int, group: int, head_dim: int) -> int:
+def _combine_chunk(splits_pad: int, group: int, head_dim: int, num_warps: int) -> int:
     """Splits combined per step in the fused path: [group, chunk, head_dim] fp32
-    values are live at once, kept to 8K (64 registers a thread at 4 warps)."""
+    values are live at once, kept to 64 registers a thread (8K at 4 warps)."""
     group_p2 = max(2, triton.next_power_of_2(group))
-    fit = max(2, 8192 // (group_p2 * head_dim))
+    fit = max(2, 64 * 32 * num_warps // (group_p2 * head_dim))
     fit = 1 << (fit.bit_length() - 1)  # a power of two, as tl.arange needs
     return max(2, min(splits_pad, 16, fit))
 
@@ -314,13 +314,13 @@ def num_splits_of(max_seq_len: int, partition_size: int) -> int:
 
 
 def decode_choices(num_splits: int, group: int, head_dim: int, reduce_chunk: int,
-                   fused_max_splits: int) -> DecodeChoices:
+                   fused_max_splits: int, num_warps: int) -> DecodeChoices:
     single = num_splits == 1
     fused = 1 < num_splits <= fused_max_splits
     splits_pad = triton.next_power_of_2(num_splits)
     reduced = not single and not fused
     # One value where the kernel does not read it: another would be another variant.
-    split_chunk = min(reduce_chunk, _combine_chunk(splits_pad, group, head_dim)) if fused else 2
+    split_chunk = min(reduce_chunk, _combine_chunk(splits_pad, group, head_dim, num_warps)) if fused else 2
     return DecodeChoices(single, fused, split_chunk,
                          splits_pad if reduced else 0, min(reduce_chunk, splits_pad) if reduced else 0)
 
@@ -347,7 +347,7 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     group = num_heads // num_kv_heads
     assert partition_size % block_n == 0, (partition_size, block_n)
     num_splits = num_splits_of(max_seq_len, partition_size)
-    choices = decode_choices(num_splits, group, head_dim, reduce_chunk, fused_max_splits)
+    choices = decode_choices(num_splits, group, head_dim, reduce_chunk, fused_max_splits, num_warps)
     single, fused = choices.single, choices.fused
     # The kernel takes a pointer either way; it reads this one only when fused.
     counters = split_counters(query.device, num_seqs * num_kv_heads) if fused else seq_lens

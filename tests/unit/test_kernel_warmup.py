@@ -37,7 +37,8 @@ def test_every_decode_choice_a_batch_makes_is_warmed(monkeypatch, num_heads, num
         # what decode_attention computes for such a batch
         partition = decode_partition_size(num_seqs, num_kv_heads, max_seq_len, num_sms, d)
         splits = max(1, triton.cdiv(max_seq_len, partition))
-        return decode_choices(splits, group, head_dim, d.reduce_chunk, d.fused_max_splits)
+        return decode_choices(splits, group, head_dim, d.reduce_chunk, d.fused_max_splits,
+                              d.launch_tiles(splits)[0])
 
     rng = random.Random(0)
     batches = [(rng.randint(1, max_num_seqs), rng.randint(1, max_model_len)) for _ in range(3000)]

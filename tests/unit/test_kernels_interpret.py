@@ -149,3 +149,52 @@ def test_prompts_take_the_tall_prefill_tiles_with_descriptors_and_fall_back_wher
     proc = subprocess.run([sys.executable, "-c", TILE_CHOICE], env=env, capture_output=True, text=True, timeout=100)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "tile choice ok" in proc.stdout
+
+
+# The decode launch's warps and stages over each cache: the child (under the
+# interpreter) records what paged_attention_triton hands the decode kernel,
+# on a pretend GPU of two SMs, so four sequences fill the grid (one split)
+# and one long sequence splits.
+DECODE_TILES = r"""
+import torch
+import tandem.kernels.attention_triton as at
+from tandem.kernels.kv_cache_dtype import FP8_KV_DTYPE
+from tandem.kernels.selfcheck import make_batch, rel_error, twin_attention
+
+at._num_sms = lambda device: 2
+launched = []
+real = at.decode_attention
+
+def watched(*args, num_warps, num_stages, partition_size, **kwargs):
+    max_seq_len = args[5]
+    launched.append((num_warps, num_stages, -(-max_seq_len // partition_size)))
+    return real(*args, num_warps=num_warps, num_stages=num_stages, partition_size=partition_size, **kwargs)
+
+at.decode_attention = watched
+gen = torch.Generator().manual_seed(0)
+seen = {}
+for cache_dtype in (FP8_KV_DTYPE, None):
+    shape = dict(num_kv_heads=2, group=4, head_dim=16, block_size=16, dtype=torch.bfloat16, device="cpu",
+                 cache_dtype=cache_dtype)
+    for name, lens in (("many", [40, 7, 33, 20]), ("one long", [300])):
+        b = make_batch(gen, lens, [1] * len(lens), **shape)
+        launched.clear()
+        out = at.paged_attention_triton(b.query, b.kv_cache, b.meta, 0.25)
+        err = rel_error(out, twin_attention(b.query, b.kv_cache, b.meta, 0.25))
+        assert err < 2e-2, (name, cache_dtype, err)
+        seen[(cache_dtype is not None, name)] = launched[0]
+print(seen)
+assert seen[(True, "many")] == (2, 2, 1), seen  # FP8, whole contexts: 2-warp programs
+assert seen[(True, "one long")][:2] == (4, 3) and seen[(True, "one long")][2] > 1, seen
+assert seen[(False, "many")] == (4, 3, 1), seen  # bf16: the one default
+assert seen[(False, "one long")][:2] == (4, 3) and seen[(False, "one long")][2] > 1, seen
+print("decode tiles ok")
+"""
+
+
+@pytest.mark.timeout(150)
+def test_an_fp8_cache_decodes_whole_contexts_in_2_warp_programs_and_split_ones_in_4() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", DECODE_TILES], env=env, capture_output=True, text=True, timeout=130)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "decode tiles ok" in proc.stdout
