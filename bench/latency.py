@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 
+from tandem.bench.step_gaps import measure_step_gaps
 from tandem.engine.config import KV_TRANSFER_FIELDS, EngineArgs
 
 
@@ -46,7 +47,9 @@ def register(subparsers) -> None:
                     "ratio, and the host time per step: "
                     "scheduling, preparing inputs and the update step (stop rules, "
                     "detokenizing), median and mean; the JSON also splits it into schedule, "
-                    "prepare and update. With --preset, --tokenizer attaches that tokenizer "
+                    "prepare and update. On CUDA, also the GPU's idle time before each of as "
+                    "many steps back to back (CUDA events, mean and max): the host time a step "
+                    "exposes. With --preset, --tokenizer attaches that tokenizer "
                     "(padded to the preset's vocabulary), so each step detokenizes as in serving.")
     p.add_argument("--preset", default=None,
                    help="dummy weights of this architecture instead of --model: llama-3-8b, llama-3-tiny, "
@@ -154,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
           f"KV {kv_bytes_per_token / 1024:.0f} KiB/token; tokenizer: "
           f"{'yes' if engine.tokenizer is not None else 'none (no detokenizing)'}", file=sys.stderr)
     for batch in batches:
-        params = SamplingParams(temperature=0, max_tokens=3 * args.steps + 5, ignore_eos=True)
+        # timed steps alone, back to back, the step gaps', the profile's: 4 x steps and the warm-up
+        params = SamplingParams(temperature=0, max_tokens=4 * args.steps + 5, ignore_eos=True)
         lengths = [max(1, args.context + i % runner.block_size - runner.block_size // 2) for i in range(batch)]
         for i, length in enumerate(lengths):
             engine.add_request(f"b{batch}-{i}", [1000 + (i * 7 + j) % 20000 for j in range(length)], params)
@@ -179,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
             engine.step()
         sync()
         period = (time.perf_counter() - t0) / args.steps
+        gaps = measure_step_gaps(engine, args.steps) if device.type == "cuda" else None
         profile = None
         if args.kernel_profile and device.type == "cuda":
             from tandem.bench.kernel_profile import profile_steps
@@ -201,15 +206,19 @@ def run(args: argparse.Namespace) -> int:
                      "prepare_ms": statistics.median(p.prepare for p in phases) * 1e3,
                      "update_ms": statistics.median(p.update for p in phases) * 1e3,
                      "tokens_per_s": batch / step,
+                     "gpu_idle_ms": gaps.mean_ms if gaps else None,
+                     "gpu_idle_max_ms": gaps.max_ms if gaps else None,
                      "kernel_profile": dataclasses.asdict(profile) if profile else None})
         engine.abort(list(engine.scheduler.requests))
     print(f"asynchronous scheduling: {'on' if engine.async_scheduling else 'off'}", file=sys.stderr)
     print(f"{'batch':>6}{'step ms':>10}{'floor ms':>10}{'ratio':>8}{'period':>8}{'ratio':>7}{'host ms':>9}"
-          f"{'(mean)':>8}{'sched':>8}{'prep':>8}{'update':>8}{'tok/s':>10}")
+          f"{'(mean)':>8}{'sched':>8}{'prep':>8}{'update':>8}{'tok/s':>10}{'GPU idle':>10}{'(max)':>8}")
     for r in rows:
+        idle = (f"{r['gpu_idle_ms']:>10.3f}{r['gpu_idle_max_ms']:>8.3f}" if r["gpu_idle_ms"] is not None
+                else f"{'-':>10}{'-':>8}")
         print(f"{r['batch']:>6}{r['step_ms']:>10.2f}{r['floor_ms']:>10.2f}{r['ratio']:>8.2f}{r['period_ms']:>8.2f}"
               f"{r['period_ratio']:>7.2f}{r['host_ms']:>9.3f}{r['host_mean_ms']:>8.3f}{r['schedule_ms']:>8.3f}"
-              f"{r['prepare_ms']:>8.3f}{r['update_ms']:>8.3f}{r['tokens_per_s']:>10.0f}")
+              f"{r['prepare_ms']:>8.3f}{r['update_ms']:>8.3f}{r['tokens_per_s']:>10.0f}{idle}")
     compiled_after_start = compile_log.compiles() - compiles_at_start
     print(f"Triton kernels compiled after the engine started: {compiled_after_start}", file=sys.stderr)
     if args.output_json:

@@ -25,6 +25,7 @@ def test_latency_bench_writes_consistent_rows(tmp_path):
         assert abs(r["tokens_per_s"] - r["batch"] / (r["step_ms"] / 1e3)) < 1e-6 * r["tokens_per_s"]
         assert 0 < r["schedule_ms"] and 0 < r["prepare_ms"] and 0 < r["update_ms"]
         assert r["host_ms"] >= max(r["schedule_ms"], r["prepare_ms"], r["update_ms"]) and r["host_mean_ms"] > 0
+        assert r["gpu_idle_ms"] is None and r["gpu_idle_max_ms"] is None  # CUDA events: GPU runs only
     # Prompts of 32..47 tokens (block size 16) around 40; each row's KV context
     # is measured at the middle of the timed steps (steps waited for one by one,
     # then as many back to back): after the prompt, 2 warm-up steps and steps more.
@@ -51,3 +52,17 @@ def test_kernel_profile_busy_time_is_the_union_of_intervals():
     # kernels that start before the one before them ends (dependent launch)
     overlapping = dataclasses.replace(profile, busy_us_per_step=800.0)
     assert "the kernels' times sum to 1.010 ms a step, more than busy: they overlap" in overlapping.table(top=2)
+
+
+def test_step_gaps_refuse_a_cpu_engine(tmp_path):
+    """The GPU's idle time between steps is measured with CUDA events
+    (tests/gpu/test_step_gaps_gpu.py); a CPU engine is refused by name."""
+    from tandem.bench.step_gaps import measure_step_gaps
+    from tandem.engine import LLM
+    from tests.support.hf_oracle import tiny_model_dir
+
+    path, _ = tiny_model_dir(tmp_path, "llama")
+    llm = LLM(path, device="cpu", dtype="float32")
+    with pytest.raises(ValueError, match="CUDA"):
+        measure_step_gaps(llm.engine, 2)
+    llm.shutdown()
