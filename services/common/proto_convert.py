@@ -93,10 +93,13 @@ def logprob_to_proto(lp) -> common_pb2.TokenLogprob:
 
 def load_from_stats(engine, stats) -> common_pb2.Load:
     """The engine's load and what it serves: the router validates requests
-    against the model id, context and block size its engines report."""
+    against the model id, context and block size its engines report, and
+    keeps out an engine whose KV blocks (kv_key, block size) the others'
+    cannot share."""
     return common_pb2.Load(
         num_running=stats.num_running, num_waiting=stats.num_waiting,
         num_waiting_prompt_tokens=stats.num_waiting_prompt_tokens,
         kv_cache_usage=stats.kv_cache_usage, num_free_blocks=stats.num_free_blocks,
         num_total_blocks=stats.num_total_blocks, model_id=engine.model_id,
-        max_model_len=engine.max_model_len, block_size=engine.engine.config.cache.block_size)
+        max_model_len=engine.max_model_len, block_size=engine.engine.config.cache.block_size,
+        kv_key=engine.engine.runner.layout.model_key)

@@ -12,6 +12,10 @@ health round), never a copy of its own.
   reports another model id is kept out of its pool (unhealthy, with a
   last_error that says so) and logged as an error. When none is healthy, the
   first to report sets the model.
+- Likewise its KV blocks: an instance whose blocks are named otherwise (its
+  kv_key: the weights' dtype or quantization, --kv-cache-dtype) or hold
+  another number of tokens is kept out. Its KV would never load in the others
+  nor theirs in it: a decode behind such a prefill recomputes every prompt.
 """
 from __future__ import annotations
 
@@ -78,9 +82,22 @@ class EngineReports:
         """Why `instance` must take no requests, given what it reports; None: it may."""
         if not load.model_id:
             return None
-        served = {i.load.model_id for i in self._reporting(exclude=instance)}
-        if not served or load.model_id in served:
+        others = self._reporting(exclude=instance)
+        served = {i.load.model_id for i in others}
+        if served and load.model_id not in served:
+            return (f"it serves model {load.model_id!r} but the other instances serve "
+                    f"{' and '.join(map(repr, sorted(served)))}; restart it with their --model, or stop "
+                    "the others")
+        if not load.kv_key:
             return None
-        return (f"it serves model {load.model_id!r} but the other instances serve "
-                f"{' and '.join(map(repr, sorted(served)))}; restart it with their --model, or stop "
-                "the others")
+        blocks = {_kv_blocks(i.load) for i in others if i.load.kv_key}
+        if not blocks or _kv_blocks(load) in blocks:
+            return None
+        return (f"its KV blocks are {_kv_blocks(load)} but the other instances' are "
+                f"{' and '.join(sorted(blocks))}: neither could load the other's KV, so every prompt "
+                "would be computed again; restart it with their --dtype, --quantization, "
+                "--kv-cache-dtype and --block-size")
+
+
+def _kv_blocks(load: common_pb2.Load) -> str:
+    return f"{load.kv_key!r} of {load.block_size} tokens"

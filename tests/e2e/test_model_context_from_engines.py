@@ -1,6 +1,7 @@
 """The router checks requests against what its engines report, on a real
 stack whose engines run with `--max-model-len 512` (`tandem up` passes it to
-the engines only): each engine's GetLoad says model, context and block size;
+the engines only): each engine's GetLoad says model, context, block size and
+its KV blocks' name;
 /v1/models and ListModels say 512; a request over 512 tokens is a 400 naming
 512; an unset max_tokens is what 512 leaves after the prompt."""
 from __future__ import annotations
@@ -22,7 +23,11 @@ CONTEXT = 512
 
 
 def test_each_engine_reports_its_model_context_and_block_size(tandem_stack):
+    """And the name of its KV blocks (model and dtypes), the same for every
+    engine of one stack: the router keeps out one whose KV the others cannot
+    share (tests/unit/test_router_engine_reports.py)."""
     stubs = {"prefill": prefill_pb2_grpc.PrefillServiceStub, "decode": decode_pb2_grpc.DecodeServiceStub}
+    kv_keys = set()
     for child in tandem_stack.children:
         if child["role"] not in stubs:
             continue
@@ -32,6 +37,9 @@ def test_each_engine_reports_its_model_context_and_block_size(tandem_stack):
         finally:
             channel.close()
         assert (load.model_id, load.max_model_len, load.block_size) == (MODEL, CONTEXT, 16), child["name"]
+        assert load.kv_key.startswith(f"{MODEL}|torch."), load.kv_key
+        kv_keys.add(load.kv_key)
+    assert len(kv_keys) == 1, kv_keys
 
 
 def test_models_and_list_models_give_the_engines_context(tandem_stack):

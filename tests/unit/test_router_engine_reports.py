@@ -20,8 +20,10 @@ MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 class _Engine(decode_pb2_grpc.DecodeServiceServicer, prefill_pb2_grpc.PrefillServiceServicer):
-    def __init__(self, model_id: str = MODEL, max_model_len: int = 2048, block_size: int = 16) -> None:
-        self.load = common_pb2.Load(model_id=model_id, max_model_len=max_model_len, block_size=block_size)
+    def __init__(self, model_id: str = MODEL, max_model_len: int = 2048, block_size: int = 16,
+                 kv_key: str = "") -> None:
+        self.load = common_pb2.Load(model_id=model_id, max_model_len=max_model_len, block_size=block_size,
+                                    kv_key=kv_key)
 
     async def GetLoad(self, request, context) -> common_pb2.Load:
         return self.load
@@ -102,6 +104,43 @@ def test_an_instance_serving_another_model_is_kept_out_with_a_clear_error(caplog
     assert "'Qwen/Qwen3-0.6B'" in refused[0][1] and repr(MODEL) in refused[0][1]
     assert view == ModelView(MODEL, 2048, 16)  # the stranger's 512 does not count
     assert len([r for r in caplog.records if "refused" in r.getMessage()]) == 1
+
+
+BF16_KEY, FP8_KEY = f"{MODEL}|torch.bfloat16", f"{MODEL}|torch.bfloat16|kv=torch.float8_e4m3fn"
+
+
+@pytest.mark.parametrize("odd", [{"kv_key": FP8_KEY}, {"block_size": 32}], ids=["kv-cache-dtype", "block-size"])
+def test_a_decode_whose_kv_blocks_the_prefill_cannot_share_is_kept_out(odd, caplog):
+    """A prefill over a bf16 cache and a decode started with --kv-cache-dtype
+    fp8 (or another --block-size) serve the same model, but the decode could
+    never load the prefill's KV: refused by name, as another model is."""
+    async def run():
+        prefill, same = _Engine(kv_key=BF16_KEY), _Engine(kv_key=BF16_KEY)
+        other = _Engine(**{"kv_key": BF16_KEY, **odd})
+        async with _Tiers(prefill, [same, other]) as tiers:
+            await tiers.check()
+            return [(i.healthy, i.last_error) for i in tiers.decode.instances], tiers.reports.view()
+
+    with caplog.at_level("ERROR"):
+        instances, view = asyncio.run(run())
+    assert instances[0][0] is True
+    healthy, error = instances[1]
+    assert healthy is False and "its KV blocks are" in error and "--kv-cache-dtype" in error, error
+    if "kv_key" in odd:
+        assert repr(FP8_KEY) in error and repr(BF16_KEY) in error
+    else:
+        assert "of 32 tokens" in error and "of 16 tokens" in error
+    assert view == ModelView(MODEL, 2048, 16)
+
+
+def test_engines_that_do_not_name_their_kv_blocks_are_not_held_to_it():
+    """An engine before kv_key (empty) is vetted on its model id alone."""
+    async def run():
+        async with _Tiers(_Engine(kv_key=BF16_KEY), [_Engine(), _Engine(kv_key=BF16_KEY)]) as tiers:
+            await tiers.check()
+            return [i.healthy for i in tiers.decode.instances]
+
+    assert asyncio.run(run()) == [True, True]
 
 
 def test_engines_that_report_no_model_give_no_view():
