@@ -277,11 +277,12 @@ class EngineArgs:
         "own heads)", group=_CACHE, metavar="GIB")
     kv_cache_dtype: KVCacheDtype = flag_field(
         "auto", "how the KV cache stores keys and values: auto in --dtype; fp8 (or fp8_e4m3) as "
-        "e4m3 with a scale of one, as vLLM without checkpoint scales (values clamped to +-448): "
+        "e4m3 divided by the checkpoint's KV scales (each layer's k_scale and v_scale, or kv_scale, "
+        "as vLLM reads them; one where it has none), values clamped to +-448: "
         "half the bytes of bf16, so twice the blocks in the same memory and half the KV a decode "
         "step reads, at some accuracy (greedy tokens may differ from the model dtype's cache). "
         "Blocks are named by it: engines of another KV dtype never share blocks, so give prefill and "
-        "decode the same value (else decode recomputes every prompt). "
+        "decode the same value (the router keeps out an engine whose blocks the others cannot share). "
         "On CUDA needs compute capability 8.9+ (Ada, Hopper); the CPU twins take it anywhere",
         group=_CACHE)
 

@@ -310,6 +310,38 @@ def _safetensors_state_dict(folder: str) -> dict[str, torch.Tensor]:
     return state
 
 
+# vLLM's names for an attention layer's FP8 KV cache scales: <attention>.k_scale
+# and .v_scale, or one .kv_scale for both (older checkpoints).
+KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
+
+
+def read_kv_scales(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> set[str]:
+    """Set each attention layer's k_scale / v_scale from the checkpoint's
+    tensors of those names (a tensor of several values, e.g. one per head,
+    gives its largest, as vLLM takes); returns the names read. A scale that is
+    not a positive finite number is an error naming it."""
+    from tandem.engine.models.llama import Attention
+
+    read: set[str] = set()
+    for prefix, module in model.named_modules():
+        if not isinstance(module, Attention):
+            continue
+        both = f"{prefix}.kv_scale"
+        for kind in ("k", "v"):
+            name = f"{prefix}.{kind}_scale"
+            if name not in state and both in state:
+                name = both
+            if name not in state:
+                continue
+            value = float(state[name].float().max())
+            if not (value > 0 and value != float("inf")):
+                raise ValueError(f"checkpoint tensor {name}: a KV cache scale must be a positive finite "
+                                 f"number, not {value}")
+            setattr(module, f"{kind}_scale", value)
+            read.add(name)
+    return read
+
+
 def load_weights(model: torch.nn.Module, source: ModelSource, config: Any, seed: int = 0) -> None:
     """Fill `model`'s parameters in place (they already have their dtype and device)."""
     import torch
@@ -328,11 +360,15 @@ def load_weights(model: torch.nn.Module, source: ModelSource, config: Any, seed:
         return
     kind, path = _readable(source.kind, source.path)
     state = gguf_state_dict(path) if kind == "gguf" else _safetensors_state_dict(path)
-    kv_scales = [name for name in state if name.endswith((".k_scale", ".v_scale", ".kv_scale"))]
-    if kv_scales:  # said, not silently dropped: vLLM would scale an FP8 KV cache by them
-        log.warning("%s carries KV cache scales (%s, %d in all), which tandem does not read: "
-                    "--kv-cache-dtype fp8 stores keys and values with a scale of one", path, kv_scales[0],
-                    len(kv_scales))
+    read = read_kv_scales(model, state)
+    unread = [name for name in state if name.endswith(KV_SCALE_SUFFIXES) and name not in read]
+    if read:
+        log.info("%s: %d KV cache scale tensors read (they scale an FP8 cache, --kv-cache-dtype fp8)",
+                 path, len(read))
+    if unread:  # said, not silently dropped: vLLM would scale an FP8 KV cache by them
+        log.warning("%s carries KV cache scales tandem does not place (%s, %d in all): "
+                    "--kv-cache-dtype fp8 stores those layers' keys and values with a scale of one",
+                    path, unread[0], len(unread))
     from tandem.engine import fp8  # torch: not at import (the router's view)
 
     if fp8.checkpoint_quantization(config) == "fp8":

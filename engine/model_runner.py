@@ -25,7 +25,7 @@ from tandem.engine.connector.base import KVCacheLayout
 from tandem.engine.host_kv_tier import HostKVBuffer
 from tandem.engine.loader import ModelInfo, load_weights
 from tandem.engine.models import build_model
-from tandem.engine.models.llama import LayerHook, head_dim_of
+from tandem.engine.models.llama import LayerHook, has_kv_scales, head_dim_of
 from tandem.engine.plan import SchedulerOutput
 from tandem.engine.tensor_parallel import rank_device, shard_size, tp_group
 from tandem.kernels import AttentionMetadata, compile_log
@@ -174,6 +174,8 @@ class ModelRunner:
         suffix = f"|{self.quantization}" if self.quantization else ""
         if self.kv_dtype != self.dtype:
             suffix += f"|kv={self.kv_dtype}"
+            if has_kv_scales(self.model):  # the checkpoint's scales divide what it stores
+                suffix += "|kv-scales"
         return f"{model_id}|{self.dtype}{suffix}"
 
     @property

@@ -3,7 +3,8 @@
 Twin: `write_kv_torch` in paged_attention_torch.py (same signature, same
 result). One program per token copies all its KV heads for K and V; a slot
 below zero marks a padding token whose K/V is not written. An FP8 cache
-(kv_cache_dtype.py) gets the values clamped to +-448 and rounded to nearest.
+(kv_cache_dtype.py) gets the values divided by their scale, clamped to +-448
+and rounded to nearest.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ _FP8_MAX = tl.constexpr(FP8_E4M3_MAX)  # a jitted function reads constexpr globa
 def _write_kv_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
     stride_key_tok, stride_key_head, stride_value_tok, stride_value_head,
-    stride_cache_slot, stride_cache_head,
+    stride_cache_slot, stride_cache_head, k_scale, v_scale,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -38,16 +39,17 @@ def _write_kv_kernel(
     v = tl.load(value_ptr + src * stride_value_tok + heads * stride_value_head + dims, mask=mask)
     # The slot index of a large cache exceeds int32 once multiplied out: keep it int64.
     dst = slot * stride_cache_slot + heads * stride_cache_head + dims
-    if FP8:  # saturate as the twin does, whatever the conversion does past 448
-        k = tl.clamp(k.to(tl.float32), -_FP8_MAX, _FP8_MAX)
-        v = tl.clamp(v.to(tl.float32), -_FP8_MAX, _FP8_MAX)
+    if FP8:  # divided (IEEE, as the twin) and saturated, whatever the conversion does past 448
+        k = tl.clamp(tl.div_rn(k.to(tl.float32), k_scale), -_FP8_MAX, _FP8_MAX)
+        v = tl.clamp(tl.div_rn(v.to(tl.float32), v_scale), -_FP8_MAX, _FP8_MAX)
     tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> None:
-    """Store key/value [num_tokens, num_kv_heads, head_dim] at their slots.
+                    slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Store key/value [num_tokens, num_kv_heads, head_dim] at their slots
+    (an FP8 cache: divided by k_scale / v_scale).
 
     kv_cache is [2, num_blocks, block_size, num_kv_heads, head_dim]; the last
     two dimensions of key, value and cache must be dense (stride of head_dim 1),
@@ -66,7 +68,7 @@ def write_kv_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tens
     _write_kv_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1),
+        key_cache.stride(0), key_cache.stride(1), float(k_scale), float(v_scale),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads), FP8=is_fp8(kv_cache.dtype), **pdl_launch(key),
     )

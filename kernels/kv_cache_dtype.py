@@ -1,8 +1,10 @@
 """The KV cache's storage dtype: the model's own, or FP8 (e4m3, `--kv-cache-dtype fp8`).
 
-An FP8 cache holds keys and values as e4m3 with a scale of one, as vLLM does
-for a checkpoint without KV scales: a value is rounded to the nearest e4m3
-(3 mantissa bits) and clamped to +-448, its largest finite value. Attention
+An FP8 cache holds keys and values as e4m3 divided by the layer's scale: the
+checkpoint's k_scale and v_scale where it has them, else one, as vLLM does. A
+value is rounded to the nearest e4m3 (3 mantissa bits) and clamped to +-448,
+its largest finite value; attention multiplies the scales back (the keys'
+into the softmax scale, the values' into the output). Attention
 widens the stored values back, exactly, before its products (to fp16 beside
 16-bit queries: common_triton.fp16_products), so only the cache's bytes
 halve: a decode step reads half the KV of a bf16 cache, and the same memory
@@ -20,11 +22,12 @@ def is_fp8(dtype: torch.dtype) -> bool:
     return dtype == FP8_KV_DTYPE
 
 
-def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x as the cache stores it. FP8 saturates at +-448 rather than turning
-    larger values into NaN, as the Triton write does (satfinite)."""
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """x as the cache stores it. FP8 stores x / scale (a checkpoint's k_scale
+    or v_scale; attention multiplies it back), saturating at +-448 rather than
+    turning larger values into NaN, as the Triton write does (satfinite)."""
     if is_fp8(dtype):
-        return x.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(dtype)
+        return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(dtype)
     return x.to(dtype)
 
 

@@ -50,13 +50,14 @@ def _use_triton(t: torch.Tensor) -> bool:
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """k_scale / v_scale: an FP8 cache stores key / k_scale and value / v_scale."""
     if _use_triton(key):
         from tandem.kernels.cache_write import write_kv_triton
 
-        write_kv_triton(key, value, kv_cache, slot_mapping)
+        write_kv_triton(key, value, kv_cache, slot_mapping, k_scale, v_scale)
     else:
-        write_kv_torch(key, value, kv_cache, slot_mapping)
+        write_kv_torch(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,

@@ -14,19 +14,20 @@ from tandem.kernels.metadata import AttentionMetadata
 
 
 def write_kv_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+                   slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Store key/value [num_tokens, num_kv_heads, head_dim] at their slots.
 
     Slots < 0 mark padding tokens and are skipped. An FP8 cache stores them
-    rounded and clamped (kv_cache_dtype.py).
+    divided by k_scale / v_scale, rounded and clamped (kv_cache_dtype.py);
+    other caches ignore the scales.
     """
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    movable(flat[0]).index_copy_(0, slot_mapping, movable(to_cache_dtype(key, kv_cache.dtype)))
-    movable(flat[1]).index_copy_(0, slot_mapping, movable(to_cache_dtype(value, kv_cache.dtype)))
+    movable(flat[0]).index_copy_(0, slot_mapping, movable(to_cache_dtype(key, kv_cache.dtype, k_scale)))
+    movable(flat[1]).index_copy_(0, slot_mapping, movable(to_cache_dtype(value, kv_cache.dtype, v_scale)))
 
 
 def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int

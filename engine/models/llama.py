@@ -18,6 +18,7 @@ from tandem.engine.fp8 import Fp8Linear
 from tandem.engine.models.vocab_parallel import VocabParallelEmbedding
 from tandem.engine.tensor_parallel import all_gather_last, all_reduce, shard_size, tp_group, vocab_shard
 from tandem.kernels import AttentionMetadata, paged_attention, rms_norm, rotary, silu_and_mul, write_kv
+from tandem.kernels.kv_cache_dtype import is_fp8
 
 # HF model_type -> (qkv bias, q/k norm); the MoE models get their MLPs from moe.py (models.build_model)
 SUPPORTED_ARCHITECTURES = {
@@ -110,6 +111,11 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.scale = self.head_dim ** -0.5
+        # An FP8 KV cache stores k / k_scale and v / v_scale: a checkpoint's
+        # scales where it has them (engine/loader.py), else one. Other caches
+        # ignore them (cache_scales).
+        self.k_scale = 1.0
+        self.v_scale = 1.0
         self.qkv_proj: Optional[nn.Linear] = None  # set by fuse()
 
     def fuse(self) -> None:
@@ -144,16 +150,31 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(q, k, cos, sin)  # HF's rotate-half convention
-        write_kv(k, v, kv_cache, slot_mapping)
+        write_kv(k, v, kv_cache, slot_mapping, *self.cache_scales(kv_cache))
         return q, k, v
+
+    def cache_scales(self, kv_cache: torch.Tensor) -> tuple[float, float]:
+        """(k_scale, v_scale) over this cache: the layer's own over FP8, else ones."""
+        return (self.k_scale, self.v_scale) if is_fp8(kv_cache.dtype) else (1.0, 1.0)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:
-        return paged_attention(q, kv_cache, meta, self.scale, new_kv=(k, v))
+        k_scale, v_scale = self.cache_scales(kv_cache)
+        if k_scale == 1.0 and v_scale == 1.0:
+            return paged_attention(q, kv_cache, meta, self.scale, new_kv=(k, v))
+        # The cache holds k / k_scale and v / v_scale: the keys' scale goes into
+        # the softmax scale, the values' onto the output (attention is linear in
+        # V). The new rows themselves are not what the cache holds: not passed.
+        return paged_attention(q, kv_cache, meta, self.scale * k_scale).mul_(v_scale)
 
     def output(self, attended: torch.Tensor) -> torch.Tensor:
         n = attended.shape[0]
         return all_reduce(self.o_proj(attended.reshape(n, self.num_heads * self.head_dim)))
+
+
+def has_kv_scales(model: nn.Module) -> bool:
+    """Whether any attention layer of model has KV cache scales other than one."""
+    return any(isinstance(m, Attention) and (m.k_scale != 1.0 or m.v_scale != 1.0) for m in model.modules())
 
 
 class MLP(nn.Module):

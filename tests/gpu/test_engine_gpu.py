@@ -278,3 +278,16 @@ def test_asynchronous_scheduling_answers_as_step_by_step(tmp_path, temperature):
         pool = llm.engine.kv.pool
         assert pool.num_free_blocks == pool.num_usable_blocks
     assert answers["auto"] == answers["off"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                    reason="an FP8 KV cache needs compute capability 8.9+")
+def test_the_triton_write_and_attention_apply_a_checkpoints_kv_scales(tmp_path):
+    """The GPU's side of tests/unit/test_fp8_kv_cache.py's scales test: keys
+    and values past 448, the checkpoint's scales, the Triton kernels in CUDA
+    graphs against the fp32 cache's tokens (75/96 on the CPU's twins)."""
+    from tests.support.kv_scales import large_kv_model, teacher_forced_agreement
+
+    plain, scaled = large_kv_model(tmp_path, scales=False), large_kv_model(tmp_path, scales=True)
+    agreed, n, key = teacher_forced_agreement(scaled, plain, device="cuda", dtype="float32", kv_cache_dtype="fp8")
+    assert agreed >= 0.6 * n and key.endswith("|kv-scales"), (agreed, n, key)
