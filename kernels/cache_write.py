@@ -24,7 +24,7 @@ def _write_kv_kernel(
     stride_key_tok, stride_key_head, stride_value_tok, stride_value_head,
     stride_cache_slot, stride_cache_head, k_scale, v_scale,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, FP8: tl.constexpr,
-    PDL: tl.constexpr,
+    SCALED: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
     token = tl.program_id(0)
@@ -39,9 +39,14 @@ def _write_kv_kernel(
     v = tl.load(value_ptr + src * stride_value_tok + heads * stride_value_head + dims, mask=mask)
     # The slot index of a large cache exceeds int32 once multiplied out: keep it int64.
     dst = slot * stride_cache_slot + heads * stride_cache_head + dims
-    if FP8:  # divided (IEEE, as the twin) and saturated, whatever the conversion does past 448
-        k = tl.clamp(tl.div_rn(k.to(tl.float32), k_scale), -_FP8_MAX, _FP8_MAX)
-        v = tl.clamp(tl.div_rn(v.to(tl.float32), v_scale), -_FP8_MAX, _FP8_MAX)
+    if FP8:  # saturated as the twin does, whatever the conversion does past 448
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        if SCALED:  # a checkpoint's scales: divided correctly rounded, as the twin divides
+            k = tl.div_rn(k, k_scale)
+            v = tl.div_rn(v, v_scale)
+        k = tl.clamp(k, -_FP8_MAX, _FP8_MAX)
+        v = tl.clamp(v, -_FP8_MAX, _FP8_MAX)
     tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -70,7 +75,8 @@ def write_kv_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tens
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), float(k_scale), float(v_scale),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HEADS_PAD=triton.next_power_of_2(num_kv_heads), FP8=is_fp8(kv_cache.dtype), **pdl_launch(key),
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads), FP8=is_fp8(kv_cache.dtype),
+        SCALED=k_scale != 1.0 or v_scale != 1.0, **pdl_launch(key),
     )
 
 

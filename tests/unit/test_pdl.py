@@ -68,7 +68,7 @@ def test_the_prologue_is_grid_dependency_control_on_hopper_and_nothing_without()
     signature.update({name: "i32" for name in ("stride_key_tok", "stride_key_head", "stride_value_tok",
                                                 "stride_value_head", "stride_cache_slot", "stride_cache_head")})
     signature.update({"k_scale": "fp32", "v_scale": "fp32"})
-    constexprs = {"NUM_KV_HEADS": 8, "HEAD_DIM": 128, "HEADS_PAD": 8, "FP8": False}
+    constexprs = {"NUM_KV_HEADS": 8, "HEAD_DIM": 128, "HEADS_PAD": 8, "FP8": False, "SCALED": False}
     signature.update({name: "constexpr" for name in (*constexprs, "PDL")})
     for pdl in (False, True):
         source = ASTSource(fn=_write_kv_kernel, signature=signature, constexprs={**constexprs, "PDL": pdl})
