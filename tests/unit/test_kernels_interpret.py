@@ -143,12 +143,17 @@ print("tile choice ok")
 """
 
 
+def run_interpreted_script(script: str, timeout_s: int) -> str:
+    """`python -c script` under the interpreter, asserted to have exited 0: its standard output."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout_s)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
 @pytest.mark.timeout(120)
 def test_prompts_take_the_tall_prefill_tiles_with_descriptors_and_fall_back_where_they_do_not_fit() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", TILE_CHOICE], env=env, capture_output=True, text=True, timeout=100)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "tile choice ok" in proc.stdout
+    assert "tile choice ok" in run_interpreted_script(TILE_CHOICE, timeout_s=100)
 
 
 # The decode launch's warps and stages over each cache: the child (under the
@@ -194,7 +199,4 @@ print("decode tiles ok")
 
 @pytest.mark.timeout(150)
 def test_an_fp8_cache_decodes_whole_contexts_in_2_warp_programs_and_split_ones_in_4() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", DECODE_TILES], env=env, capture_output=True, text=True, timeout=130)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "decode tiles ok" in proc.stdout
+    assert "decode tiles ok" in run_interpreted_script(DECODE_TILES, timeout_s=130)
