@@ -254,10 +254,8 @@ class DecodeBench:
 
     def run(self, batch: int, context: int, config=None, check: bool = True,
             same_size_copy: bool = True) -> DecodeRow:
-        from tandem.kernels.attention_triton import (DEFAULT_CONFIG, _num_sms,
-                                                     decode_partition_size, decode_tiles,
+        from tandem.kernels.attention_triton import (DEFAULT_CONFIG, _num_sms, decode_grid, decode_tiles,
                                                      paged_attention_triton)
-        from tandem.kernels.decode_attention_triton import num_splits_of
         from tandem.kernels.paged_attention_torch import paged_attention_torch
         from tandem.kernels.selfcheck import rel_error
 
@@ -286,15 +284,13 @@ class DecodeBench:
         # 0: not measured (the sweep leaves it out)
         copy_gbps = self.same_size_copy_gbps(set_bytes, len(sets)) if same_size_copy else 0.0
         d = decode_tiles(config.decode, self.kv_cache.dtype)  # the tiles the call used
-        partition = decode_partition_size(batch, a.num_kv_heads, context,
-                                          _num_sms(torch.device("cuda")), d)
-        warps, stages = d.launch_tiles(num_splits_of(context, partition))
+        grid = decode_grid(batch, a.num_kv_heads, context, _num_sms(torch.device("cuda")), d)
         return DecodeRow(batch=batch, context=context, us=us, kv_gbps=gbps,
-                         fraction_of_copy=0.0, max_rel_error=err, partition_size=partition,
+                         fraction_of_copy=0.0, max_rel_error=err, partition_size=grid.partition_size,
                          same_size_copy_gbps=copy_gbps,
                          fraction_of_same_size_copy=gbps / copy_gbps if copy_gbps else 0.0,
                          config=f"block_n={d.block_n} programs_per_sm={d.programs_per_sm} "
-                                f"warps={warps} stages={stages} "
+                                f"warps={grid.num_warps} stages={grid.num_stages} "
                                 f"fused_max_splits={d.fused_max_splits}")
 
     def same_size_copy_gbps(self, num_bytes: int, count: int) -> float:

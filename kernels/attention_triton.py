@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -130,6 +130,21 @@ def decode_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, nu
     return cfg.block_n * triton.next_power_of_2(tiles)
 
 
+class DecodeGrid(NamedTuple):
+    partition_size: int  # tokens per split (decode_partition_size)
+    num_splits: int  # the grid's split count
+    num_warps: int  # of such a grid (DecodeConfig.launch_tiles)
+    num_stages: int
+
+
+def decode_grid(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
+                cfg: DecodeConfig) -> DecodeGrid:
+    """The decode launch of a batch: its splits, and the warps and stages of that grid."""
+    partition = decode_partition_size(num_seqs, num_kv_heads, max_seq_len, num_sms, cfg)
+    splits = num_splits_of(max_seq_len, partition)
+    return DecodeGrid(partition, splits, *cfg.launch_tiles(splits))
+
+
 def decode_variants(num_heads: int, num_kv_heads: int, head_dim: int, max_model_len: int,
                     max_num_seqs: int, device: torch.device,
                     config: AttentionConfig | None = None,
@@ -154,10 +169,9 @@ def decode_variants(num_heads: int, num_kv_heads: int, head_dim: int, max_model_
         # multiples of it): one length in each such span, its end.
         for length in range(d.block_n, max_model_len + d.block_n, d.block_n):
             length = min(length, max_model_len)
-            partition = decode_partition_size(num_seqs, num_kv_heads, length, num_sms, d)
-            splits = num_splits_of(length, partition)
-            key = decode_choices(splits, group, head_dim, d.reduce_chunk, d.fused_max_splits,
-                                 d.launch_tiles(splits)[0])
+            grid = decode_grid(num_seqs, num_kv_heads, length, num_sms, d)
+            key = decode_choices(grid.num_splits, group, head_dim, d.reduce_chunk, d.fused_max_splits,
+                                 grid.num_warps)
             found.setdefault(key, (num_seqs, length))
     return found
 
@@ -190,13 +204,11 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, meta: At
     if meta.is_decode_only and num_tokens == meta.num_seqs:
         # One query row per sequence: row i belongs to sequence i.
         d = decode_tiles(cfg.decode, key_cache.dtype)
-        partition = decode_partition_size(meta.num_seqs, num_kv_heads, meta.max_seq_len,
-                                          _num_sms(query.device), d)
-        num_warps, num_stages = d.launch_tiles(num_splits_of(meta.max_seq_len, partition))
+        grid = decode_grid(meta.num_seqs, num_kv_heads, meta.max_seq_len, _num_sms(query.device), d)
         return decode_attention(query, key_cache, value_cache, meta.block_tables,
                                 meta.seq_lens, meta.max_seq_len, scale, out,
-                                partition_size=partition, block_n=d.block_n,
-                                num_warps=num_warps, num_stages=num_stages,
+                                partition_size=grid.partition_size, block_n=d.block_n,
+                                num_warps=grid.num_warps, num_stages=grid.num_stages,
                                 reduce_chunk=d.reduce_chunk, fused_max_splits=d.fused_max_splits)
     # Chosen from host ints only (a captured graph replays the same choice).
     if num_tokens * (num_heads // num_kv_heads) >= cfg.long_prefill.block_m * meta.num_seqs:
