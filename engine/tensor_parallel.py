@@ -27,6 +27,7 @@ from typing import Iterator, Optional
 import torch
 
 from tandem.engine.peer_all_reduce import PeerAllReduce
+from tandem.kernels.kv_cache_dtype import movable  # gloo has no FP8: an FP8 cache's KV goes as bytes
 
 log = logging.getLogger(__name__)
 
@@ -194,8 +195,6 @@ def gather_to_first(x: torch.Tensor) -> Optional[list[torch.Tensor]]:
     """Every rank's x on rank 0, in rank order (None on the other ranks)."""
     import torch.distributed as dist
 
-    from tandem.kernels.kv_cache_dtype import movable  # gloo has no FP8: an FP8 cache's KV goes as bytes
-
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(_group.world_size)] if _group.rank == 0 else None
     dist.gather(movable(x), gather_list=[movable(p) for p in parts] if parts is not None else None, dst=0)
@@ -206,8 +205,6 @@ def scatter_from_first(out: torch.Tensor, parts: Optional[list[torch.Tensor]] = 
     """Rank 0's parts[r] into rank r's `out` (parts: rank 0's, one per rank, each
     shaped as out; None on the other ranks)."""
     import torch.distributed as dist
-
-    from tandem.kernels.kv_cache_dtype import movable  # as gather_to_first
 
     dist.scatter(movable(out), scatter_list=[movable(p.contiguous()) for p in parts] if parts is not None else None,
                  src=0)
