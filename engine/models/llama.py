@@ -313,7 +313,12 @@ class LlamaFamilyForCausalLM(nn.Module):
         return self.model.norm.add_and_norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head's logits in the model's dtype. Not widened to fp32 here:
+        greedy rows take their argmax as they are (the same token: widening is
+        exact), and the samplers widen what they edit or normalize themselves.
+        At batch 256 of a 128k vocabulary the widening was a 131 MB copy, and
+        the argmax read twice the bytes (0.16 ms of a 12 ms H200 step)."""
         logits = self.lm_head(hidden)
         if tp_group().world_size > 1:  # every rank's slice, then the padding off
             logits = all_gather_last(logits)[..., :self.vocab_size]
-        return logits.float()
+        return logits
