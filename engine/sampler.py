@@ -20,6 +20,7 @@ import torch
 from tandem.engine import device_sampling
 from tandem.engine.grammar import TokenMasks
 from tandem.engine.request import Request, RequestFailedError, SamplingParams, TokenLogprob
+from tandem.engine.row_argmax import row_argmax
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class Sampler:
         if all(plain_greedy(r) for r in requests):
             # The common serving case: argmax where the logits are, move only ids.
             if token_masks is None:
-                return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(requests))
+                return SampleResult(row_argmax(logits).tolist(), [None] * len(requests))
             best, tokens = logits.max(dim=-1)
             # -1 marks a row the grammar left empty; one transfer for both.
             return self._masked_greedy(torch.where(torch.isneginf(best), -1, tokens).tolist(), requests)
@@ -143,7 +144,7 @@ class Sampler:
         batches through __call__); on the CPU it is sampled now."""
         logits = logits[:, : self.vocab_size]
         if all(plain_greedy(r) for r in requests):
-            tokens = logits.argmax(dim=-1)
+            tokens = row_argmax(logits)
             host = device_sampling.to_host(tokens)
             copied = torch.cuda.current_stream(logits.device).record_event() if logits.is_cuda else None
 
