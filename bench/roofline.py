@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -22,10 +23,18 @@ class Roofline:
     workload_flops: float
     seconds: float  # the run's measured time
     precision: str
+    # The same matmul back to back, at the clock the GPU's power limit holds
+    # it to (NaN off CUDA): what a long run can reach, where peak_flops is
+    # what a burst reaches.
+    sustained_flops: float = float("nan")
 
     @property
     def fraction(self) -> float:
         return self.workload_flops / self.peak_flops / self.seconds
+
+    @property
+    def sustained_fraction(self) -> float:
+        return self.workload_flops / self.sustained_flops / self.seconds
 
 
 def model_parameters(model: torch.nn.Module) -> float:
@@ -49,10 +58,10 @@ def model_parameters(model: torch.nn.Module) -> float:
     return total
 
 
-def matmul_peak_flops(device: torch.device, dtype: torch.dtype, fp8: bool = False) -> float:
-    """FLOP/s of a square matmul large enough to fill the device (the best of
-    ten timed after three warm-ups; CUDA events on a GPU): in bf16/fp16/fp32
-    as the engine's dtype, or e4m3 through torch._scaled_mm for FP8 engines."""
+def _square_product(device: torch.device, dtype: torch.dtype, fp8: bool) -> tuple[Callable[[], torch.Tensor], float]:
+    """(a square matmul large enough to fill the device, its FLOPs): in
+    bf16/fp16/fp32 as the engine's dtype, or e4m3 through torch._scaled_mm
+    for FP8 engines."""
     n = 8192 if device.type == "cuda" else 1024
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
@@ -68,6 +77,14 @@ def matmul_peak_flops(device: torch.device, dtype: torch.dtype, fp8: bool = Fals
     else:
         def product():
             return a @ b
+    return product, 2.0 * n ** 3
+
+
+def matmul_peak_flops(device: torch.device, dtype: torch.dtype, fp8: bool = False) -> float:
+    """FLOP/s of a large square matmul (_square_product), the best of ten
+    timed one at a time after three warm-ups (CUDA events on a GPU): the
+    rate at the GPU's full clock, which the pauses between them let it keep."""
+    product, flops = _square_product(device, dtype, fp8)
     times = []
     for i in range(13):
         if device.type == "cuda":
@@ -83,14 +100,42 @@ def matmul_peak_flops(device: torch.device, dtype: torch.dtype, fp8: bool = Fals
             seconds = time.perf_counter() - t0
         if i >= 3:
             times.append(seconds)
-    return 2 * n ** 3 / min(times) if times else float("nan")
+    return flops / min(times) if times else float("nan")
+
+
+def sustained_matmul_flops(device: torch.device, dtype: torch.dtype, fp8: bool = False,
+                           seconds: float = 3.0) -> float:
+    """FLOP/s of the same matmul run back to back for `seconds` (CUDA), over
+    the last third: the rate once the GPU has lowered its clock to hold its
+    power limit, as it does through a long run. NaN on other devices (no
+    power limit to reach)."""
+    if device.type != "cuda":
+        return float("nan")
+    product, flops = _square_product(device, dtype, fp8)
+    product()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    calls = 0
+    while time.perf_counter() - t0 < seconds * 2 / 3:  # one call's queueing is far shorter than its run
+        product()
+        calls += 1
+        if calls % 16 == 0:
+            torch.cuda.synchronize()  # keep the queue short, so the clock above is the GPU's
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    timed = max(4, calls // 2)
+    start.record()
+    for _ in range(timed):
+        product()
+    end.record()
+    torch.cuda.synchronize()
+    return flops * timed / (start.elapsed_time(end) / 1e3)
 
 
 def measure(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, fp8: bool, tokens: int,
             seconds: float) -> Roofline:
     precision = "fp8" if fp8 else str(dtype).removeprefix("torch.")
     return Roofline(matmul_peak_flops(device, dtype, fp8), 2.0 * model_parameters(model) * tokens, seconds,
-                    precision)
+                    precision, sustained_matmul_flops(device, dtype, fp8))
 
 
-__all__ = ["Roofline", "matmul_peak_flops", "measure", "model_parameters"]
+__all__ = ["Roofline", "matmul_peak_flops", "measure", "model_parameters", "sustained_matmul_flops"]

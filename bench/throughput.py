@@ -14,6 +14,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Optional
 
+from tandem.bench.gpu_clocks import ClockSampler
 from tandem.engine.config import KV_TRANSFER_FIELDS, EngineArgs
 
 if TYPE_CHECKING:
@@ -199,14 +200,18 @@ def run(args: argparse.Namespace) -> int:
         # neither of the two compared passes carries them.
         _, llm, _ = run_engine(args, prompts, output_lens)
         print("warm-up pass done", file=sys.stderr)
-    recorder = None
+    recorder, clock_readings = None, []
     for structured in {"none": [False], "json": [True], "both": [False, True]}[args.structured]:
-        ours, llm, recorded = run_engine(args, prompts, output_lens, llm, structured,
-                                         record_steps=args.step_breakdown and not results)
+        with ClockSampler(args.device) as clocks:
+            ours, llm, recorded = run_engine(args, prompts, output_lens, llm, structured,
+                                             record_steps=args.step_breakdown and not results)
         recorder = recorder or recorded
         print(f"{ours.system}: {ours.output_tokens_per_s:.1f} output tok/s in {ours.seconds:.2f} s",
               file=sys.stderr)
+        if clocks.reading is not None:
+            print(f"  during it: {clocks.reading.summary()}", file=sys.stderr)
         results.append(ours)
+        clock_readings.append(asdict(clocks.reading) if clocks.reading else None)
     # Before the HF baseline, which takes the engine's memory: the engine's
     # first pass against this device's matmul peak, measured now.
     roofline = _roofline(llm, results[0])
@@ -224,6 +229,9 @@ def run(args: argparse.Namespace) -> int:
           f"tokens) at the {roofline.peak_flops / 1e12:.3g} TFLOP/s {roofline.precision} matmul peak measured "
           f"now = {roofline.workload_flops / roofline.peak_flops:.2f} s; took {roofline.seconds:.2f} s: "
           f"{roofline.fraction:.2f} of the roofline")
+    if roofline.sustained_flops == roofline.sustained_flops:  # not NaN: a GPU
+        print(f"  against the {roofline.sustained_flops / 1e12:.3g} TFLOP/s the same matmul sustains back to back "
+              f"(the clock its power limit allows): {roofline.sustained_fraction:.2f}")
     shares = None
     if recorder is not None:
         from tandem.bench.step_breakdown import print_shares
@@ -246,7 +254,9 @@ def run(args: argparse.Namespace) -> int:
             json.dump({"args": vars(args) | {"handler": None},
                        "results": [asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in results],
                        "ratio": ratio, "structured_slowdown": slowdown, "engine": engine,
-                       "roofline": asdict(roofline) | {"fraction": roofline.fraction},
+                       "roofline": asdict(roofline) | {"fraction": roofline.fraction,
+                                                       "sustained_fraction": roofline.sustained_fraction},
+                       "clocks": clock_readings,  # nvidia-smi's samples during each pass (None: no GPU)
                        "step_breakdown": [asdict(x) | {"of_roofline": x.of_roofline} for x in shares]
                        if shares is not None else None}, f, indent=2)
     return 0

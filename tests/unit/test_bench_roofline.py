@@ -5,12 +5,13 @@ fraction beside tokens/s, measured in the same run."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
 import torch
 
-from tandem.bench.roofline import Roofline, matmul_peak_flops, model_parameters
+from tandem.bench.roofline import Roofline, matmul_peak_flops, model_parameters, sustained_matmul_flops
 
 
 def test_parameters_count_a_tied_head_once_and_leave_fp8_scales_out():
@@ -43,6 +44,14 @@ def test_fraction_is_the_roofline_time_over_the_measured_time():
 def test_cpu_matmul_peak_is_a_positive_rate():
     peak = matmul_peak_flops(torch.device("cpu"), torch.float32)
     assert 1e8 < peak < 1e14
+
+
+def test_the_sustained_rate_is_a_gpus_and_its_fraction_divides_by_it():
+    """Back to back the GPU's power limit holds its clock down (bench/gpu_clocks.py);
+    a CPU has no such rate to report."""
+    assert math.isnan(sustained_matmul_flops(torch.device("cpu"), torch.float32))
+    r = Roofline(peak_flops=1e12, workload_flops=5e11, seconds=2.0, precision="bfloat16", sustained_flops=0.5e12)
+    assert r.fraction == 0.25 and r.sustained_fraction == 0.5
 
 
 def test_bench_throughput_reports_the_roofline(tmp_path):

@@ -1,0 +1,45 @@
+"""bench/gpu_clocks.py: nvidia-smi's samples read into a clock and power
+summary (the GPU side runs in `bench latency` / `bench throughput` on a GPU),
+and nothing at all where there is no GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.bench.gpu_clocks import ClockSampler, parse_samples
+
+# Lines as `nvidia-smi --query-gpu=<QUERY> --format=csv,noheader,nounits -lms 50`
+# printed them on the lent H200 (2026-11-29), with an [N/A] and a cut-off line.
+SAMPLES = """\
+1980, 1980, 397.23, 700.00, 0x0000000000000000
+1590, 1980, 689.16, 700.00, 0x0000000000000004
+[N/A], 1980, 650.00, 700.00, 0x0000000000000004
+1770, 1980, 600.00, 700.00, 0x0000000000000004
+1965, 19
+"""
+
+
+def test_samples_give_the_mean_clock_power_and_the_power_capped_share():
+    r = parse_samples(SAMPLES)
+    assert r.samples == 3
+    assert r.sm_mhz_mean == pytest.approx((1980 + 1590 + 1770) / 3) and r.sm_mhz_min == 1590
+    assert r.sm_mhz_max_rated == 1980 and r.power_limit_w == 700
+    assert r.power_w_mean == pytest.approx((397.23 + 689.16 + 600) / 3)
+    assert r.power_capped_share == pytest.approx(2 / 3)
+    assert "SM clock 1780 MHz mean, 1590 min, of 1980" in r.summary()
+    assert "power-capped in 67% of 3 samples" in r.summary()
+
+
+def test_no_whole_sample_is_no_reading():
+    assert parse_samples("") is None
+    assert parse_samples("Field \"clocks_throttle_reasons.active\" is not a valid field to query.\n") is None
+
+
+def test_a_cpu_device_samples_nothing():
+    with ClockSampler(torch.device("cpu")) as clocks:
+        pass
+    assert clocks.reading is None
+    if not torch.cuda.is_available():
+        with ClockSampler("auto") as clocks:  # --device auto without a GPU: the CPU
+            pass
+        assert clocks.reading is None
