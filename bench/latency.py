@@ -13,8 +13,16 @@ the requests are detokenized as in serving; without it the update step has no
 text to make.
 
 The floor of a decode step is (weight bytes + KV bytes read) / copy bandwidth:
-every weight and every cached K/V byte of the batch is read once per step.
-The copy bandwidth is measured in the same run (bytes read + written). In a
+every weight and every cached K/V byte of the batch is read once per step
+(an input embedding not tied to the LM head is not: a step reads its tokens'
+rows of it). The copy bandwidth is measured in the same run (bytes read +
+written). The roof beside it also bounds the GEMMs by their arithmetic:
+max(weight bytes / bandwidth, 2 x parameters x batch / matmul peak) + KV
+bytes / bandwidth, the matmul peak measured in the same run too. From some
+batch on (about 200 sequences for bf16 on an H200) the GEMMs are bound by
+arithmetic, and the memory floor is out of reach. On CUDA the SM clock and
+power during each batch's steps are printed as well (bench/gpu_clocks.py): a
+GPU at its power limit runs slower than its rated clock. In a
 mixture-of-experts model a step reads only the experts its tokens are routed
 to: the floor counts each layer's experts at the share a batch of B tokens
 touches when each picks top_k of E at random, 1 - (1 - top_k/E)^B (top_k/E at
@@ -31,6 +39,7 @@ import sys
 import tempfile
 import time
 
+from tandem.bench.gpu_clocks import ClockSampler
 from tandem.bench.step_gaps import measure_step_gaps
 from tandem.engine.config import KV_TRANSFER_FIELDS, EngineArgs
 
@@ -44,12 +53,15 @@ def register(subparsers) -> None:
                     "(weights + KV bytes) / measured copy bandwidth, their ratio, the period of "
                     "as many steps run back to back (what a decode loop gets, asynchronous "
                     "scheduling overlapping each step's host work with the step before) and its "
-                    "ratio, and the host time per step: "
+                    "ratio, the roof (the floor with the GEMMs also bounded by the measured matmul "
+                    "peak: max(weight bytes / bandwidth, 2 x parameters x batch / peak) + KV bytes / "
+                    "bandwidth) and the period's ratio to it, and the host time per step: "
                     "scheduling, preparing inputs and the update step (stop rules, "
                     "detokenizing), median and mean; the JSON also splits it into schedule, "
                     "prepare and update. On CUDA, also the GPU's idle time before each of as "
                     "many steps back to back (CUDA events, mean and max): the host time a step "
-                    "exposes. With --preset, --tokenizer attaches that tokenizer "
+                    "exposes, and the mean SM clock during the batch's steps (nvidia-smi; "
+                    "a GPU at its power limit runs below its rated clock). With --preset, --tokenizer attaches that tokenizer "
                     "(padded to the preset's vocabulary), so each step detokenizes as in serving.")
     p.add_argument("--preset", default=None,
                    help="dummy weights of this architecture instead of --model: llama-3-8b, llama-3-tiny, "
@@ -110,12 +122,23 @@ def build_llm(args: argparse.Namespace, max_num_seqs: int, folder: str):
     return LLM.from_engine_args(with_preset(engine_args, args.preset))
 
 
+def unread_embedding(model) -> tuple[int, int]:
+    """(bytes, parameters) of the input embedding's table when it is not the
+    LM head's too: a step reads only its tokens' rows of it, not the table."""
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    if embed is None or (head is not None and head.weight is embed.weight):
+        return 0, 0
+    return embed.weight.numel() * embed.weight.element_size(), embed.weight.numel()
+
+
 def weight_split(model) -> tuple[int, int, int, int]:
-    """(all weight bytes, of which experts' bytes, top_k, experts per layer);
-    no experts: (bytes, 0, 0, 0)."""
+    """(weight bytes a step reads, of which experts' bytes, top_k, experts per
+    layer); no experts: (bytes, 0, 0, 0). An untied input embedding's table
+    is left out (unread_embedding)."""
     from tandem.engine.models.moe import SparseMoeBlock
 
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total = sum(p.numel() * p.element_size() for p in model.parameters()) - unread_embedding(model)[0]
     blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
     if not blocks:
         return total, 0, 0, 0
@@ -126,6 +149,7 @@ def weight_split(model) -> tuple[int, int, int, int]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from tandem.bench.roofline import matmul_peak_flops, model_parameters
     from tandem.engine import SamplingParams
     from tandem.kernels import compile_log
 
@@ -141,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
     bw = copy_bandwidth(device)
     weight_bytes, expert_bytes, top_k, num_experts = weight_split(runner.model)
     kv_bytes_per_token = runner.layout.block_bytes // runner.block_size
+    peak = matmul_peak_flops(device, runner.dtype, runner.quantization == "fp8")
+    flops_per_token = 2 * (model_parameters(runner.model) - unread_embedding(runner.model)[1])
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows = []
     experts = (f" (experts {expert_bytes / 2**30:.2f} GiB, {top_k} of {num_experts} a token)"
@@ -153,7 +179,8 @@ def run(args: argparse.Namespace) -> int:
     if args.kernel_profile and device.type != "cuda":
         print("--kernel-profile: CUDA only (torch.profiler's kernel records); no profile on "
               f"{device.type}", file=sys.stderr)
-    print(f"copy bandwidth {bw / 1e12:.3f} TB/s; weights {weight_bytes / 2**30:.2f} GiB{experts}; "
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s; matmul peak {peak / 1e12:.0f} TFLOP/s; "
+          f"weights read a step {weight_bytes / 2**30:.2f} GiB{experts}; "
           f"KV {kv_bytes_per_token / 1024:.0f} KiB/token; tokenizer: "
           f"{'yes' if engine.tokenizer is not None else 'none (no detokenizing)'}", file=sys.stderr)
     for batch in batches:
@@ -167,23 +194,26 @@ def run(args: argparse.Namespace) -> int:
         for _ in range(2):
             engine.step()  # warm up the decode path at this batch size
         step_times, phases = [], []
-        for _ in range(args.steps):
+        with ClockSampler(device) as clocks:
+            for _ in range(args.steps):
+                sync()
+                t0 = time.perf_counter()
+                engine.step()
+                sync()
+                step_times.append(time.perf_counter() - t0)
+                phases.append(dataclasses.replace(engine.step_times))
+            # Then back to back, as a decode loop runs: with asynchronous scheduling
+            # a step's host work overlaps the step before on the device, which the
+            # waits above prevent.
             sync()
             t0 = time.perf_counter()
-            engine.step()
+            for _ in range(args.steps):
+                engine.step()
             sync()
-            step_times.append(time.perf_counter() - t0)
-            phases.append(dataclasses.replace(engine.step_times))
-        # Then back to back, as a decode loop runs: with asynchronous scheduling
-        # a step's host work overlaps the step before on the device, which the
-        # waits above prevent.
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            engine.step()
-        sync()
-        period = (time.perf_counter() - t0) / args.steps
-        gaps = measure_step_gaps(engine, args.steps) if device.type == "cuda" else None
+            period = (time.perf_counter() - t0) / args.steps
+            gaps = measure_step_gaps(engine, args.steps) if device.type == "cuda" else None
+        if clocks.reading is not None:
+            print(f"batch {batch}, during its steps: {clocks.reading.summary()}", file=sys.stderr)
         profile = None
         if args.kernel_profile and device.type == "cuda":
             from tandem.bench.kernel_profile import profile_steps
@@ -194,12 +224,18 @@ def run(args: argparse.Namespace) -> int:
         # KV read per step: the batch's cached tokens at the middle of the timed steps
         kv_tokens = sum(lengths) + batch * (2 + args.steps)
         touched = expert_bytes * (1 - (1 - top_k / num_experts) ** batch) if num_experts else 0
-        floor = (weight_bytes - expert_bytes + touched + kv_tokens * kv_bytes_per_token) / bw
+        weights_read = weight_bytes - expert_bytes + touched
+        floor = (weights_read + kv_tokens * kv_bytes_per_token) / bw
+        # The GEMMs cannot beat the matmul peak either: from some batch on
+        # (about 200 rows for bf16 on an H200) their arithmetic, not their
+        # weights' bytes, bounds them. Attention stays bound by its KV bytes.
+        roof = max(weights_read / bw, flops_per_token * batch / peak) + kv_tokens * kv_bytes_per_token / bw
         step = statistics.median(step_times)
         host_times = [p.host for p in phases]
         rows.append({"batch": batch, "context": kv_tokens / batch, "step_ms": step * 1e3,
                      "floor_ms": floor * 1e3, "ratio": step / floor,
                      "period_ms": period * 1e3, "period_ratio": period / floor,
+                     "roof_ms": roof * 1e3, "period_roof_ratio": period / roof,
                      "host_ms": statistics.median(host_times) * 1e3,
                      "host_mean_ms": statistics.fmean(host_times) * 1e3,
                      "schedule_ms": statistics.median(p.schedule for p in phases) * 1e3,
@@ -208,23 +244,27 @@ def run(args: argparse.Namespace) -> int:
                      "tokens_per_s": batch / step,
                      "gpu_idle_ms": gaps.mean_ms if gaps else None,
                      "gpu_idle_max_ms": gaps.max_ms if gaps else None,
+                     "clocks": dataclasses.asdict(clocks.reading) if clocks.reading else None,
                      "kernel_profile": dataclasses.asdict(profile) if profile else None})
         engine.abort(list(engine.scheduler.requests))
     print(f"asynchronous scheduling: {'on' if engine.async_scheduling else 'off'}", file=sys.stderr)
-    print(f"{'batch':>6}{'step ms':>10}{'floor ms':>10}{'ratio':>8}{'period':>8}{'ratio':>7}{'host ms':>9}"
-          f"{'(mean)':>8}{'sched':>8}{'prep':>8}{'update':>8}{'tok/s':>10}{'GPU idle':>10}{'(max)':>8}")
+    print(f"{'batch':>6}{'step ms':>10}{'floor ms':>10}{'ratio':>8}{'period':>8}{'ratio':>7}{'roof ms':>9}"
+          f"{'ratio':>7}{'host ms':>9}{'(mean)':>8}{'sched':>8}{'prep':>8}{'update':>8}{'tok/s':>10}"
+          f"{'GPU idle':>10}{'(max)':>8}{'MHz':>6}")
     for r in rows:
         idle = (f"{r['gpu_idle_ms']:>10.3f}{r['gpu_idle_max_ms']:>8.3f}" if r["gpu_idle_ms"] is not None
                 else f"{'-':>10}{'-':>8}")
+        mhz = f"{r['clocks']['sm_mhz_mean']:>6.0f}" if r["clocks"] else f"{'-':>6}"
         print(f"{r['batch']:>6}{r['step_ms']:>10.2f}{r['floor_ms']:>10.2f}{r['ratio']:>8.2f}{r['period_ms']:>8.2f}"
-              f"{r['period_ratio']:>7.2f}{r['host_ms']:>9.3f}{r['host_mean_ms']:>8.3f}{r['schedule_ms']:>8.3f}"
-              f"{r['prepare_ms']:>8.3f}{r['update_ms']:>8.3f}{r['tokens_per_s']:>10.0f}{idle}")
+              f"{r['period_ratio']:>7.2f}{r['roof_ms']:>9.2f}{r['period_roof_ratio']:>7.2f}{r['host_ms']:>9.3f}"
+              f"{r['host_mean_ms']:>8.3f}{r['schedule_ms']:>8.3f}{r['prepare_ms']:>8.3f}{r['update_ms']:>8.3f}"
+              f"{r['tokens_per_s']:>10.0f}{idle}{mhz}")
     compiled_after_start = compile_log.compiles() - compiles_at_start
     print(f"Triton kernels compiled after the engine started: {compiled_after_start}", file=sys.stderr)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                       "copy_bandwidth_Bps": bw, "weight_bytes": weight_bytes, "expert_bytes": expert_bytes, "cuda_graphs": runner.graphs is not None,
+                       "copy_bandwidth_Bps": bw, "matmul_peak_flops": peak, "weight_bytes": weight_bytes, "expert_bytes": expert_bytes, "cuda_graphs": runner.graphs is not None,
                        "tokenizer": engine.tokenizer is not None, "async_scheduling": engine.async_scheduling,
                        "start_s": start_s, "warmup": dataclasses.asdict(warmup) if warmup else None,
                        "compiled_after_start": compiled_after_start,

@@ -26,6 +26,10 @@ def test_latency_bench_writes_consistent_rows(tmp_path):
         assert 0 < r["schedule_ms"] and 0 < r["prepare_ms"] and 0 < r["update_ms"]
         assert r["host_ms"] >= max(r["schedule_ms"], r["prepare_ms"], r["update_ms"]) and r["host_mean_ms"] > 0
         assert r["gpu_idle_ms"] is None and r["gpu_idle_max_ms"] is None  # CUDA events: GPU runs only
+        # The roof bounds the GEMMs by the matmul peak as well as by their bytes: never under the floor
+        assert r["roof_ms"] >= r["floor_ms"] and abs(r["period_roof_ratio"] - r["period_ms"] / r["roof_ms"]) < 1e-6
+        assert r["clocks"] is None  # nvidia-smi's samples: GPU runs only
+    assert result["matmul_peak_flops"] > 0
     # Prompts of 32..47 tokens (block size 16) around 40; each row's KV context
     # is measured at the middle of the timed steps (steps waited for one by one,
     # then as many back to back): after the prompt, 2 warm-up steps and steps more.
@@ -66,3 +70,24 @@ def test_step_gaps_refuse_a_cpu_engine(tmp_path):
     with pytest.raises(ValueError, match="CUDA"):
         measure_step_gaps(llm.engine, 2)
     llm.shutdown()
+
+
+def test_the_floor_reads_an_untied_input_embedding_by_rows_not_whole(tmp_path):
+    """A decode step gathers its tokens' rows of the input embedding: an
+    untied table counts in no floor; a table that is also the LM head does
+    (the head reads all of it)."""
+    from transformers import AutoConfig
+
+    from tandem.bench.latency import unread_embedding, weight_split
+    from tandem.engine.models.llama import LlamaFamilyForCausalLM
+    from tests.support.hf_oracle import tiny_model_dir
+
+    path, _ = tiny_model_dir(tmp_path, "llama")
+    config = AutoConfig.from_pretrained(path)
+    for tied in (False, True):
+        config.tie_word_embeddings = tied
+        model = LlamaFamilyForCausalLM(config)
+        table = config.vocab_size * config.hidden_size
+        all_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied table once
+        assert unread_embedding(model) == ((0, 0) if tied else (table * 4, table))
+        assert weight_split(model)[0] == all_bytes - (0 if tied else table * 4)
