@@ -80,34 +80,6 @@ def register(subparsers) -> None:
     p.set_defaults(handler=run)
 
 
-def copy_bandwidth(device) -> float:
-    """Bytes per second of a large device-to-device copy, counting read + write."""
-    import torch
-
-    if device.type != "cuda":
-        src = torch.empty(64 * 2**20, dtype=torch.uint8).random_()
-        dst = torch.empty_like(src)
-        start = time.perf_counter()
-        for _ in range(10):
-            dst.copy_(src)
-        return 2 * src.numel() * 10 / (time.perf_counter() - start)
-    src = torch.empty(2 * 2**30, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(10):
-        start_ev.record()
-        dst.copy_(src)
-        end_ev.record()
-        torch.cuda.synchronize()
-        times.append(start_ev.elapsed_time(end_ev) / 1e3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * 2 * 2**30 / statistics.median(times)
-
-
 def build_llm(args: argparse.Namespace, max_num_seqs: int, folder: str):
     """The engine under test: the preset's dummy weights (with --tokenizer, a
     copy of that tokenizer padded to the preset's vocabulary, written into
@@ -122,20 +94,11 @@ def build_llm(args: argparse.Namespace, max_num_seqs: int, folder: str):
     return LLM.from_engine_args(with_preset(engine_args, args.preset))
 
 
-def unread_embedding(model) -> tuple[int, int]:
-    """(bytes, parameters) of the input embedding's table when it is not the
-    LM head's too: a step reads only its tokens' rows of it, not the table."""
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    head = getattr(model, "lm_head", None)
-    if embed is None or (head is not None and head.weight is embed.weight):
-        return 0, 0
-    return embed.weight.numel() * embed.weight.element_size(), embed.weight.numel()
-
-
 def weight_split(model) -> tuple[int, int, int, int]:
     """(weight bytes a step reads, of which experts' bytes, top_k, experts per
     layer); no experts: (bytes, 0, 0, 0). An untied input embedding's table
     is left out (unread_embedding)."""
+    from tandem.bench.roofline import unread_embedding
     from tandem.engine.models.moe import SparseMoeBlock
 
     total = sum(p.numel() * p.element_size() for p in model.parameters()) - unread_embedding(model)[0]
@@ -149,7 +112,7 @@ def weight_split(model) -> tuple[int, int, int, int]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from tandem.bench.roofline import matmul_peak_flops, model_parameters
+    from tandem.bench.roofline import copy_bandwidth, matmul_peak_flops, model_parameters, unread_embedding
     from tandem.engine import SamplingParams
     from tandem.kernels import compile_log
 

@@ -54,7 +54,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     import torch
     import triton
 
-    from tandem.bench.latency import copy_bandwidth
+    from tandem.bench.roofline import copy_bandwidth
     from tandem.bench.presets import preset_config
     from tandem.engine.models.moe import MoEConfig, route
     from tandem.kernels.fp8_torch import quantize_stacked

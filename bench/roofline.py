@@ -10,6 +10,7 @@ fraction reads the same across context lengths.
 """
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -131,6 +132,87 @@ def sustained_matmul_flops(device: torch.device, dtype: torch.dtype, fp8: bool =
     return flops * timed / (start.elapsed_time(end) / 1e3)
 
 
+def copy_bandwidth(device) -> float:
+    """Bytes per second of a large device-to-device copy, counting read + write."""
+    if device.type != "cuda":
+        src = torch.empty(64 * 2**20, dtype=torch.uint8).random_()
+        dst = torch.empty_like(src)
+        start = time.perf_counter()
+        for _ in range(10):
+            dst.copy_(src)
+        return 2 * src.numel() * 10 / (time.perf_counter() - start)
+    src = torch.empty(2 * 2**30, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start_ev.record()
+        dst.copy_(src)
+        end_ev.record()
+        torch.cuda.synchronize()
+        times.append(start_ev.elapsed_time(end_ev) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * 2 * 2**30 / statistics.median(times)
+
+
+def unread_embedding(model) -> tuple[int, int]:
+    """(bytes, parameters) of the input embedding's table when it is not the
+    LM head's too: a step reads only its tokens' rows of it, not the table."""
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    if embed is None or (head is not None and head.weight is embed.weight):
+        return 0, 0
+    return embed.weight.numel() * embed.weight.element_size(), embed.weight.numel()
+
+
+@dataclass
+class LeastTime:
+    """The least time an offline run could take on this device: the linear
+    layers' arithmetic at the matmul rate the GPU sustains, plus the KV its
+    decode steps read at the copy bandwidth. Attention's arithmetic, weight
+    reads at small batch, launches and the host are left out, so a run can
+    only take longer. Unlike Roofline's workload FLOPs (the issue's 2 x
+    parameters x tokens), an untied input embedding is a gather and the LM
+    head multiplies only the rows sampled, so this is the arithmetic the run
+    cannot avoid."""
+    gemm_flops: float
+    sustained_flops: float
+    kv_read_bytes: float
+    copy_bandwidth: float  # bytes/s, read + write
+
+    @property
+    def arithmetic_seconds(self) -> float:
+        return self.gemm_flops / self.sustained_flops
+
+    @property
+    def kv_read_seconds(self) -> float:
+        return self.kv_read_bytes / self.copy_bandwidth
+
+    @property
+    def seconds(self) -> float:
+        return self.arithmetic_seconds + self.kv_read_seconds
+
+
+def gemm_flops(model: torch.nn.Module, tokens: int, sampled_tokens: int) -> float:
+    """FLOPs of the linear layers over a run: every token through the
+    decoder's weights (model_parameters' count, experts by their share),
+    only the sampled rows through the LM head, no untied input embedding."""
+    head = getattr(model, "lm_head", None)
+    head_params = head.weight.numel() if head is not None else 0
+    body = model_parameters(model) - unread_embedding(model)[1] - head_params
+    return 2.0 * (body * tokens + head_params * sampled_tokens)
+
+
+def decode_kv_tokens(prompt_lens: list[int], output_lens: list[int]) -> int:
+    """Cached tokens the decode steps of these requests read: the step that
+    makes output token i >= 1 attends over the prompt and i tokens more
+    (token 0 comes from the prompt's own step)."""
+    return sum((n - 1) * p + (n - 1) * n // 2 for p, n in zip(prompt_lens, output_lens) if n > 1)
+
+
 def measure(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, fp8: bool, tokens: int,
             seconds: float) -> Roofline:
     precision = "fp8" if fp8 else str(dtype).removeprefix("torch.")
@@ -138,4 +220,5 @@ def measure(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, fp
                     precision, sustained_matmul_flops(device, dtype, fp8))
 
 
-__all__ = ["Roofline", "matmul_peak_flops", "measure", "model_parameters", "sustained_matmul_flops"]
+__all__ = ["LeastTime", "Roofline", "copy_bandwidth", "decode_kv_tokens", "gemm_flops", "matmul_peak_flops",
+           "measure", "model_parameters", "sustained_matmul_flops", "unread_embedding"]

@@ -215,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
     # Before the HF baseline, which takes the engine's memory: the engine's
     # first pass against this device's matmul peak, measured now.
     roofline = _roofline(llm, results[0])
+    least = _least_time(llm, results[0], prompts, output_lens, roofline.sustained_flops)
     engine = _engine_report(llm)
     print(f"engine: max_num_seqs {engine['max_num_seqs']}, {engine['max_num_batched_tokens']} tokens a step, "
           f"{engine['kv_blocks']} KV blocks ({engine['kv_tokens']} tokens), {engine['preemptions']} preemptions",
@@ -232,6 +233,12 @@ def run(args: argparse.Namespace) -> int:
     if roofline.sustained_flops == roofline.sustained_flops:  # not NaN: a GPU
         print(f"  against the {roofline.sustained_flops / 1e12:.3g} TFLOP/s the same matmul sustains back to back "
               f"(the clock its power limit allows): {roofline.sustained_fraction:.2f}")
+    if least is not None:
+        print(f"the least this run could take here: {least.arithmetic_seconds:.2f} s of linear-layer arithmetic at "
+              f"the sustained rate + {least.kv_read_seconds:.2f} s of decode KV reads ({least.kv_read_bytes / 1e12:.2f} "
+              f"TB) at the {least.copy_bandwidth / 1e12:.2f} TB/s copy bandwidth = {least.seconds:.2f} s; took "
+              f"{roofline.seconds:.2f} s: {least.seconds / roofline.seconds:.2f} of it. A run that took only that "
+              f"would be at {roofline.workload_flops / roofline.peak_flops / least.seconds:.2f} of the roofline.")
     shares = None
     if recorder is not None:
         from tandem.bench.step_breakdown import print_shares
@@ -257,6 +264,7 @@ def run(args: argparse.Namespace) -> int:
                        "roofline": asdict(roofline) | {"fraction": roofline.fraction,
                                                        "sustained_fraction": roofline.sustained_fraction},
                        "clocks": clock_readings,  # nvidia-smi's samples during each pass (None: no GPU)
+                       "least_time": asdict(least) | {"seconds": least.seconds} if least else None,
                        "step_breakdown": [asdict(x) | {"of_roofline": x.of_roofline} for x in shares]
                        if shares is not None else None}, f, indent=2)
     return 0
@@ -279,6 +287,28 @@ def _roofline(llm, result: ThroughputResult):
     runner = llm.engine.runner
     return measure(runner.model, runner.device, runner.dtype, runner.quantization == "fp8",
                    result.input_tokens + result.output_tokens, result.seconds)
+
+
+def _least_time(llm, result: ThroughputResult, prompts: list[list[int]], output_lens: list[int],
+                sustained_flops: float):
+    """bench/roofline.py's LeastTime of the first pass (a GPU's: the
+    sustained rate is one), or None."""
+    import torch
+
+    from tandem.bench.roofline import LeastTime, copy_bandwidth, decode_kv_tokens, gemm_flops
+
+    runner = llm.engine.runner
+    if runner.device.type != "cuda":
+        return None
+    kv_bytes_per_token = runner.layout.block_bytes // runner.block_size
+    kv_tokens = decode_kv_tokens([len(p) for p in prompts], output_lens)
+    try:
+        bandwidth = copy_bandwidth(runner.device)  # 4 GiB of buffers beside the engine's cache
+    except torch.OutOfMemoryError:
+        print("no least time: the copy bandwidth's buffers do not fit beside the engine", file=sys.stderr)
+        return None
+    return LeastTime(gemm_flops(runner.model, result.input_tokens + result.output_tokens, result.output_tokens),
+                     sustained_flops, float(kv_tokens * kv_bytes_per_token), bandwidth)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -78,7 +78,8 @@ def test_the_floor_reads_an_untied_input_embedding_by_rows_not_whole(tmp_path):
     (the head reads all of it)."""
     from transformers import AutoConfig
 
-    from tandem.bench.latency import unread_embedding, weight_split
+    from tandem.bench.latency import weight_split
+    from tandem.bench.roofline import unread_embedding
     from tandem.engine.models.llama import LlamaFamilyForCausalLM
     from tests.support.hf_oracle import tiny_model_dir
 

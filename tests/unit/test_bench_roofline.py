@@ -67,3 +67,31 @@ def test_bench_throughput_reports_the_roofline(tmp_path):
     # SmolLM2-135M: 134.5M parameters (its LM head is its embedding)
     assert roofline["workload_flops"] == 2 * 134_515_008 * (tokens["input_tokens"] + tokens["output_tokens"])
     assert 0 < roofline["fraction"] < 1.5
+
+
+def test_decode_steps_read_each_context_once_per_output_token_after_the_first():
+    from tandem.bench.roofline import decode_kv_tokens
+
+    # 10-token prompt, 4 outputs: token 0 from the prompt's step; steps for
+    # tokens 1, 2, 3 attend over 11, 12 and 13 tokens.
+    assert decode_kv_tokens([10], [4]) == 11 + 12 + 13
+    assert decode_kv_tokens([10, 5], [1, 2]) == 0 + 6
+
+
+def test_the_least_time_counts_the_lm_head_for_sampled_rows_and_no_input_embedding(tmp_path):
+    from transformers import AutoConfig
+
+    from tandem.bench.roofline import LeastTime, gemm_flops
+    from tandem.engine.models.llama import LlamaFamilyForCausalLM
+    from tests.support.hf_oracle import tiny_model_dir
+
+    path, _ = tiny_model_dir(tmp_path, "llama")
+    config = AutoConfig.from_pretrained(path)
+    table = config.vocab_size * config.hidden_size
+    for tied in (False, True):
+        config.tie_word_embeddings = tied
+        model = LlamaFamilyForCausalLM(config)
+        body = sum(p.numel() for p in model.parameters()) - (table if tied else 2 * table)
+        assert gemm_flops(model, tokens=100, sampled_tokens=7) == 2.0 * (body * 100 + table * 7)
+    least = LeastTime(gemm_flops=6e12, sustained_flops=3e12, kv_read_bytes=1e12, copy_bandwidth=4e12)
+    assert least.arithmetic_seconds == 2.0 and least.kv_read_seconds == 0.25 and least.seconds == 2.25
