@@ -18,10 +18,10 @@ import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
-# nvidia-smi's clocks_throttle_reasons bit for "software power cap": the clock
-# was lowered to hold the board's power limit.
-POWER_CAP_BIT = 0x4
-QUERY = "clocks.sm,clocks.max.sm,power.draw,power.limit,clocks_throttle_reasons.active"
+# Not the throttle-reason flags: on the H200 the "software power cap" flag was
+# set in every sample at 234 W of 700 as at 687 W (2026-11-29), so it told
+# nothing the clock does not.
+QUERY = "clocks.sm,clocks.max.sm,power.draw,power.limit"
 
 
 @dataclass
@@ -32,12 +32,10 @@ class ClockReading:
     sm_mhz_max_rated: float  # the clock the GPU may boost to
     power_w_mean: float
     power_limit_w: float
-    power_capped_share: float  # of the samples taken while the power cap held the clock down
 
     def summary(self) -> str:
         return (f"SM clock {self.sm_mhz_mean:.0f} MHz mean, {self.sm_mhz_min:.0f} min, of {self.sm_mhz_max_rated:.0f}; "
-                f"power {self.power_w_mean:.0f} W mean of {self.power_limit_w:.0f}; power-capped in "
-                f"{self.power_capped_share:.0%} of {self.samples} samples")
+                f"power {self.power_w_mean:.0f} W mean of {self.power_limit_w:.0f} ({self.samples} samples)")
 
 
 def parse_samples(text: str) -> Optional[ClockReading]:
@@ -47,10 +45,10 @@ def parse_samples(text: str) -> Optional[ClockReading]:
     rows = []
     for line in text.splitlines():
         fields = [f.strip() for f in line.split(",")]
-        if len(fields) != 5:
+        if len(fields) != 4:
             continue
         try:
-            rows.append((float(fields[0]), float(fields[1]), float(fields[2]), float(fields[3]), int(fields[4], 16)))
+            rows.append(tuple(float(f) for f in fields))
         except ValueError:
             continue
     if not rows:
@@ -59,7 +57,7 @@ def parse_samples(text: str) -> Optional[ClockReading]:
     return ClockReading(
         samples=n, sm_mhz_mean=sum(r[0] for r in rows) / n, sm_mhz_min=min(r[0] for r in rows),
         sm_mhz_max_rated=max(r[1] for r in rows), power_w_mean=sum(r[2] for r in rows) / n,
-        power_limit_w=max(r[3] for r in rows), power_capped_share=sum(bool(r[4] & POWER_CAP_BIT) for r in rows) / n)
+        power_limit_w=max(r[3] for r in rows))
 
 
 class ClockSampler:

@@ -22,7 +22,8 @@ import torch
 # but 27.3 -> 28.7 us at 64, where rows enough fill the GPU one block each.
 MAX_CHUNKED_ROWS = 8
 # The chunk length: the smallest divisor of the vocabulary between these (no
-# padding copy): 501 for Llama-3's 128,256, 1,187 for Qwen's 151,936, 512 for 49,152.
+# padding copy): 256 for Llama-3's 128,256 and SmolLM2's 49,152, 1,187 for
+# Qwen's 151,936.
 MIN_CHUNK, MAX_CHUNK = 256, 2048
 
 

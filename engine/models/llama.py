@@ -317,7 +317,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         greedy rows take their argmax as they are (the same token: widening is
         exact), and the samplers widen what they edit or normalize themselves.
         At batch 256 of a 128k vocabulary the widening was a 131 MB copy, and
-        the argmax read twice the bytes (0.16 ms of a 12 ms H200 step)."""
+        the argmax read twice the bytes: together 0.16 ms of a 12 ms H200
+        step, 0.05 ms without them."""
         logits = self.lm_head(hidden)
         if tp_group().world_size > 1:  # every rank's slice, then the padding off
             logits = all_gather_last(logits)[..., :self.vocab_size]
