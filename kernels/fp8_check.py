@@ -15,7 +15,8 @@ fp32 -> e4m3 cast is wrong (125.1 becomes 64, not 128). --bench times the
 layers of an 8B Llama (q/k/v, o, gate/up, down) at 1, 8, 64 and 256 rows:
 bf16 matmul, the quantizer alone, the FP8 GEMM and, at one row, the layer's
 own choice and the GEMV under a few tile choices (median of CUDA graph
-replays).
+replays, each reading the next of several weight copies, so that the L2
+cache does not hold them).
 
 Exit status 0 when every case agrees; the last line says how many were checked.
 """
