@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
         # The GEMMs cannot beat the matmul peak either: from some batch on
         # (about 200 rows for bf16 on an H200) their arithmetic, not their
         # weights' bytes, bounds them. Attention stays bound by its KV bytes.
-        roof = max(weights_read / bw, flops_per_token * batch / peak) + kv_tokens * kv_bytes_per_token / bw
+        roof = floor + max(0.0, flops_per_token * batch / peak - weights_read / bw)  # the floor where bytes bind
         step = statistics.median(step_times)
         host_times = [p.host for p in phases]
         rows.append({"batch": batch, "context": kv_tokens / batch, "step_ms": step * 1e3,
