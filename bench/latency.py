@@ -112,7 +112,7 @@ def weight_split(model) -> tuple[int, int, int, int]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from tandem.bench.roofline import copy_bandwidth, matmul_peak_flops, model_parameters, unread_embedding
+    from tandem.bench.roofline import copy_bandwidth, gemm_flops, matmul_peak_flops
     from tandem.engine import SamplingParams
     from tandem.kernels import compile_log
 
@@ -129,7 +129,6 @@ def run(args: argparse.Namespace) -> int:
     weight_bytes, expert_bytes, top_k, num_experts = weight_split(runner.model)
     kv_bytes_per_token = runner.layout.block_bytes // runner.block_size
     peak = matmul_peak_flops(device, runner.dtype, runner.quantization == "fp8")
-    flops_per_token = 2 * (model_parameters(runner.model) - unread_embedding(runner.model)[1])
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows = []
     experts = (f" (experts {expert_bytes / 2**30:.2f} GiB, {top_k} of {num_experts} a token)"
@@ -192,7 +191,10 @@ def run(args: argparse.Namespace) -> int:
         # The GEMMs cannot beat the matmul peak either: from some batch on
         # (about 200 rows for bf16 on an H200) their arithmetic, not their
         # weights' bytes, bounds them. Attention stays bound by its KV bytes.
-        roof = floor + max(0.0, flops_per_token * batch / peak - weights_read / bw)  # the floor where bytes bind
+        # Every row of a decode step is sampled, so each passes the LM head
+        # too; where bytes bind, the roof is the floor itself.
+        arithmetic = gemm_flops(runner.model, batch, batch) / peak
+        roof = floor + max(0.0, arithmetic - weights_read / bw)
         step = statistics.median(step_times)
         host_times = [p.host for p in phases]
         rows.append({"batch": batch, "context": kv_tokens / batch, "step_ms": step * 1e3,
