@@ -42,6 +42,13 @@ def free_port() -> int:
 # How long rank 0's step may go on waiting after a worker exited before the
 # process ends itself (TPWorkers._watch).
 LOST_RANK_GRACE_S = 30.0
+# A step that failed waits up to this long for the watcher to name a lost
+# worker before its own error stands: a killed worker's sockets can close
+# (gloo's "Connection closed by peer" on rank 0) a moment before its process
+# handle reports the exit, and the step must fail naming the worker, not the
+# socket. Only a failed step waits, and with every worker alive its error
+# comes this much later.
+FAILED_STEP_REAP_S = 2.0
 
 
 def _abort_and_drain(device, drained: threading.Event) -> None:
@@ -208,6 +215,7 @@ class TPWorkers:
         init_tp(0, world, init_method, config.resolved_device(), config.peer_all_reduce)
         self.kv_view: Optional[TPKVCacheView] = None  # set by cache_view when the engine has a KV connector
         self.lost: Optional[str] = None  # the workers that exited while the engine ran, by name
+        self._lost_named = threading.Event()  # set once the watcher has set lost
         self._stopping = threading.Event()
         self.device = rank_device(config.resolved_device(), 0)
         threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
@@ -226,6 +234,7 @@ class TPWorkers:
         if self._stopping.is_set():  # asked for: stop() joins them (two threads must not reap one child)
             return
         self.lost = _reap_exited(self.procs, timeout=0)
+        self._lost_named.set()
         log.error("tensor-parallel worker %s; cutting rank 0's collectives short", self.lost)
         drained = threading.Event()
         threading.Thread(target=_abort_and_drain, args=(self.device, drained), name="tp-abort",
@@ -240,13 +249,12 @@ class TPWorkers:
         """Fail the step if a worker was lost while it ran (its outputs may
         have been computed from cut-short collectives). failed: the step
         failed already, maybe on a worker the watcher has not reported yet
-        (a write to its pipe): one whose process ended is waited for, for
-        its exit code."""
-        lost = self.lost
-        if lost is None and failed:
-            lost = _reap_exited(self.procs, timeout=0)
-        if lost is not None:
-            raise RuntimeError(f"tensor-parallel worker {lost}; the engine cannot step")
+        (a write to its pipe, a closed socket): the watcher, the one thread
+        that reaps workers, is given FAILED_STEP_REAP_S to name it."""
+        if failed:
+            self._lost_named.wait(FAILED_STEP_REAP_S)
+        if self.lost is not None:
+            raise RuntimeError(f"tensor-parallel worker {self.lost}; the engine cannot step")
 
     def _wait_for_start(self, started: list) -> None:
         """Until every worker is about to join the group. Joining blocks
