@@ -12,9 +12,10 @@ FP8 GEMM (torch._scaled_mm) and the layer's own choice. Under the
 interpreter the quantizer is checked on rows built so that no rounding
 carries into the next power of two (e4m3_rows): there the interpreter's
 fp32 -> e4m3 cast is wrong (125.1 becomes 64, not 128). --bench times the
-layers of an 8B Llama (q/k/v, o, gate/up, down) at 1, 8, 64 and 256 rows:
+layers of an 8B Llama (q/k/v, o, gate/up, down) at 1-256 rows:
 bf16 matmul, the quantizer alone, the FP8 GEMM and, at one row, the layer's
-own choice and the GEMV under a few tile choices (median of CUDA graph
+own choice and the GEMV under a few tile choices, up to 8 rows the GEMV
+at its default tiles (median of CUDA graph
 replays, each reading the next of several weight copies, so that the L2
 cache does not hold them).
 
@@ -133,8 +134,9 @@ def bench() -> None:
     def time_us(fn) -> float:
         return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
 
-    gemv_configs = [(4, 512, 4, 3), (4, 1024, 4, 3), (4, 2048, 4, 3), (8, 256, 4, 3), (8, 512, 4, 3),
-                    (8, 1024, 4, 3), (16, 256, 4, 3), (16, 512, 4, 3), (8, 512, 8, 3), (8, 512, 4, 4)]
+    # (BLOCK_N, BLOCK_K, warps, stages) around the default, 8 x 512 over 4 stages
+    gemv_configs = [(4, 1024, 4, 3), (4, 1024, 4, 4), (8, 256, 4, 6), (8, 512, 4, 3), (8, 512, 4, 4),
+                    (8, 512, 4, 5), (8, 512, 8, 4), (8, 1024, 4, 3), (16, 256, 4, 4), (16, 512, 4, 3)]
     for name, k, n in LLAMA_8B_LAYERS:
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
                    for _ in range(max(2, BENCH_COPY_BYTES // (2 * n * k)))]
@@ -142,12 +144,14 @@ def bench() -> None:
         quantized = [(wq.clone(), ws.clone()) for _ in range(max(2, BENCH_COPY_BYTES // (n * k)))]
         # Each call made while a graph is captured takes the next copy.
         next_w, next_q = itertools.cycle(weights).__next__, itertools.cycle(quantized).__next__
-        for rows in (1, 8, 64, 256):
+        for rows in (1, 2, 4, 8, 64, 256):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             # the FP8 GEMM itself, after the quantizer (the layer's path above one row) at every row count
             cells = {"bf16": time_us(lambda: x @ next_w().t()), "quant": time_us(lambda: quantize_rows_triton(x)),
                      "gemm": time_us(lambda: fp8_linear_cuda(x, *next_q(), skinny=False)),
                      "skinny": time_us(lambda: fp8_linear_cuda(x, *next_q(), skinny=True))}
+            if rows <= 8:  # whether the GEMV, rereading the weight per row, beats the skinny GEMM at 8 rows
+                cells["gemv"] = time_us(lambda: fp8_gemv(x, *next_q(), None, x.dtype))
             if rows <= 1:
                 cells["layer"] = time_us(lambda: fp8_linear_cuda(x, *next_q()))
                 for bn, bk, nw, ns in gemv_configs:

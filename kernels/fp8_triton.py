@@ -133,11 +133,18 @@ def _fp8_skinny_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, 
 
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, N, K, stride_x, stride_w, stride_out,
-                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                     PDL: tl.constexpr):
     """One row of activations in the model dtype times the e4m3 weight:
     products on the CUDA cores in fp32, each program streaming BLOCK_N whole
     weight rows (a decode step of one sequence reads every weight once and
-    multiplies it once: no tile to reuse)."""
+    multiplies it once: no tile to reuse).
+
+    The loop is pipelined explicitly (tl.range's num_stages): Triton's
+    kernel-wide num_stages pipelines loops that feed tl.dot, not this one,
+    which then waited for each tile before asking for the next. Prefetching
+    STAGES - 1 tiles ahead keeps more bytes in flight (H200: an 8B Llama's
+    batch-1 FP8 decode step 3.05 -> 2.79 ms, docs/benchmarks.md)."""
     pdl_prologue(PDL)
     # Rows vary fastest over the grid: the programs of one weight tile run
     # side by side, and all but the first read it from L2.
@@ -146,7 +153,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, N, K, stride_x, st
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     x_row = x_ptr + row * stride_x
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):
+    for start in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         ks = start + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + ks[None, :],
@@ -160,26 +167,29 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, N, K, stride_x, st
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: Optional[torch.Tensor],
              out_dtype: torch.dtype, block_n: Optional[int] = None, block_k: Optional[int] = None,
-             num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+             num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
     """x [M, K] in any float dtype, unquantized, times (weight * weight_scale)
     [N, K]^T (+ bias): fp8_linear_torch's weight-only arithmetic, one program
     per (row, BLOCK_N channels), for one row; each further row rereads the
-    weight (from L2 at best).
-    Default tiles, 4 x 1024: the fastest or within 0.4 us of it for each of
-    an 8B Llama's layers in `python -m tandem.kernels.fp8_check --bench` on
-    an H100 (q/k/v 8.5 us against 8.2 at 8 x 1024, o 5.7 against 5.5,
-    gate/up 43.1 and down 25.2 the fastest; 8 x 512: 8.9, 6.1, 43.7, 32.9)."""
+    weight (from L2 at best). num_stages: the weight tiles in flight per
+    program (the loop's pipeline depth).
+    Default tiles, 8 x 512 over 4 stages: the shortest batch-1 decode step of
+    an 8B Llama on an H200 among the four tiles that `python -m
+    tandem.kernels.fp8_check --bench` timed fastest (2.79 ms; 8 x 1024 over
+    3 stages 2.80, 16 x 512 over 3 2.85, 16 x 256 over 4 2.90;
+    docs/benchmarks.md). The layers timed alone rank the tiles differently
+    from one lease to the next; the step decides."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
-    block_n = block_n or 4
-    block_k = block_k or 1024
+    block_n = block_n or 8
+    block_k = block_k or 512
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     _fp8_gemv_kernel[(m, triton.cdiv(n, block_n))](
         x, weight, weight_scale, bias if bias is not None else weight_scale, out, n, k,
         x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, **pdl_launch(x), num_warps=num_warps, num_stages=num_stages)
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=num_stages, **pdl_launch(x), num_warps=num_warps)
     return out
 
 
