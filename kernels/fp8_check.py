@@ -62,7 +62,8 @@ def e4m3_rows(rows: int, k: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def cases(device: str) -> Iterator[Case]:
-    from tandem.kernels.fp8_triton import fp8_gemv, fp8_linear_cuda, fp8_skinny_gemm, quantize_rows_triton
+    from tandem.kernels.fp8_triton import fp8_linear_cuda, fp8_skinny_gemm, quantize_rows_triton
+    from tandem.kernels.gemv_triton import gemv
 
     gen = torch.Generator().manual_seed(0)
     dtypes = (torch.bfloat16,) if device == "cuda" else (torch.float32, torch.bfloat16)
@@ -83,7 +84,7 @@ def cases(device: str) -> Iterator[Case]:
             # the interpreter its grid of rows x channel tiles takes 5 s a call
             # at 64-150 rows, so there it is checked up to 16 rows.
             if device == "cuda" or rows <= 16:
-                results["gemv"] = (fp8_gemv(x, wq, ws, bias, dtype),
+                results["gemv"] = (gemv(x, wq, bias, ws),
                                    fp8_linear_torch(x, wq, ws, bias, weight_only=True), TOLERANCE[dtype])
             if device == "cuda":
                 if k % 16 == 0 and n % 16 == 0:
@@ -129,12 +130,17 @@ def bench() -> None:
 
     import triton.testing
 
-    from tandem.kernels.fp8_triton import fp8_gemv, fp8_linear_cuda, quantize_rows_triton
+    from tandem.kernels.fp8_triton import fp8_linear_cuda, quantize_rows_triton
+    from tandem.kernels.gemv_triton import gemv
+
+    def fp8_weight(quantized: tuple[torch.Tensor, torch.Tensor]) -> tuple:
+        """gemv's (weight, bias, weight_scale) of an e4m3 weight and its scales."""
+        return quantized[0], None, quantized[1]
 
     def time_us(fn) -> float:
         return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
 
-    # (BLOCK_N, BLOCK_K, warps, stages) around the default, 8 x 512 over 4 stages
+    # (BLOCK_N, BLOCK_K, warps, stages) around the default, 8 x 1024 over 3 stages
     gemv_configs = [(4, 1024, 4, 3), (4, 1024, 4, 4), (8, 256, 4, 6), (8, 512, 4, 3), (8, 512, 4, 4),
                     (8, 512, 4, 5), (8, 512, 8, 4), (8, 1024, 4, 3), (16, 256, 4, 4), (16, 512, 4, 3)]
     for name, k, n in LLAMA_8B_LAYERS:
@@ -151,13 +157,12 @@ def bench() -> None:
                      "gemm": time_us(lambda: fp8_linear_cuda(x, *next_q(), skinny=False)),
                      "skinny": time_us(lambda: fp8_linear_cuda(x, *next_q(), skinny=True))}
             if rows <= 8:  # whether the GEMV, rereading the weight per row, beats the skinny GEMM at 8 rows
-                cells["gemv"] = time_us(lambda: fp8_gemv(x, *next_q(), None, x.dtype))
+                cells["gemv"] = time_us(lambda: gemv(x, *fp8_weight(next_q())))
             if rows <= 1:
                 cells["layer"] = time_us(lambda: fp8_linear_cuda(x, *next_q()))
                 for bn, bk, nw, ns in gemv_configs:
                     tiles = dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
-                    cells[f"gemv{bn}x{bk}w{nw}s{ns}"] = time_us(
-                        lambda: fp8_gemv(x, *next_q(), None, x.dtype, **tiles))
+                    cells[f"gemv{bn}x{bk}w{nw}s{ns}"] = time_us(lambda: gemv(x, *fp8_weight(next_q()), **tiles))
             best = min((v, c) for c, v in cells.items() if c not in ("bf16", "quant", "layer"))
             rate = f", the layer reads {n * k / cells['layer'] / 1e6:.2f} TB/s" if "layer" in cells else ""
             print(f"{name:<8} rows={rows:<4} " + " ".join(f"{c}={v:.1f}" for c, v in cells.items())

@@ -2,11 +2,10 @@
 per token; torch._scaled_mm (the FP8 GEMM of cuBLASLt/CUTLASS, Hopper and
 Ada) multiplies them by the e4m3 weight with row-wise scales (the token's
 scale on A's rows, the channel's on B's columns), accumulated in fp32,
-written in bf16. For one row (decode of one sequence) a Triton kernel on the
-CUDA cores multiplies the row, left in the model dtype, by the e4m3 weight
-over narrow tiles that keep every multiprocessor streaming weights (the
-twin's weight-only rule, fp8_torch.WEIGHT_ONLY_MAX_ROWS: no quantizer
-launch). A Triton kernel on the FP8 tensor cores (the "skinny" GEMM, tiles
+written in bf16. For one row (decode of one sequence) the GEMV of
+gemv_triton.py multiplies the row, left in the model dtype, by the e4m3
+weight on the CUDA cores (the twin's weight-only rule,
+fp8_torch.WEIGHT_ONLY_MAX_ROWS: no quantizer launch). A Triton kernel on the FP8 tensor cores (the "skinny" GEMM, tiles
 of 16-64 rows and 32-64 channels) takes a few rows (up to SKINNY_MAX_ROWS),
 where the FP8 GEMM's tall tiles leave most multiprocessors idle, and the
 widths the FP8 GEMM refuses (not multiples of 16).
@@ -28,6 +27,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.common_triton import interpreted, pdl_launch, pdl_prologue
+from tandem.kernels.gemv_triton import gemv
 from tandem.kernels.fp8_torch import FP8_DTYPE, FP8_MAX, INV_FP8_MAX, MIN_SCALE, WEIGHT_ONLY_MAX_ROWS
 
 # Steps of up to this many rows (and more than WEIGHT_ONLY_MAX_ROWS) take the
@@ -131,68 +131,6 @@ def _fp8_skinny_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, 
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-@triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, N, K, stride_x, stride_w, stride_out,
-                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                     PDL: tl.constexpr):
-    """One row of activations in the model dtype times the e4m3 weight:
-    products on the CUDA cores in fp32, each program streaming BLOCK_N whole
-    weight rows (a decode step of one sequence reads every weight once and
-    multiplies it once: no tile to reuse).
-
-    The loop is pipelined explicitly (tl.range's num_stages): Triton's
-    kernel-wide num_stages pipelines loops that feed tl.dot, not this one,
-    which then waited for each tile before asking for the next. Prefetching
-    STAGES - 1 tiles ahead keeps more bytes in flight (H200: an 8B Llama's
-    batch-1 FP8 decode step 3.05 -> 2.79 ms, docs/benchmarks.md)."""
-    pdl_prologue(PDL)
-    # Rows vary fastest over the grid: the programs of one weight tile run
-    # side by side, and all but the first read it from L2.
-    row = tl.program_id(0).to(tl.int64)
-    pid_n = tl.program_id(1)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    x_row = x_ptr + row * stride_x
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for start in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        ks = start + tl.arange(0, BLOCK_K)
-        x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + ks[None, :],
-                    mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0).to(tl.float32)
-        acc += w * x[None, :]
-    out = tl.sum(acc, axis=1) * tl.load(ws_ptr + cols, mask=cols < N, other=0.0)
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=cols < N)
-
-
-def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: Optional[torch.Tensor],
-             out_dtype: torch.dtype, block_n: Optional[int] = None, block_k: Optional[int] = None,
-             num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
-    """x [M, K] in any float dtype, unquantized, times (weight * weight_scale)
-    [N, K]^T (+ bias): fp8_linear_torch's weight-only arithmetic, one program
-    per (row, BLOCK_N channels), for one row; each further row rereads the
-    weight (from L2 at best). num_stages: the weight tiles in flight per
-    program (the loop's pipeline depth).
-    Default tiles, 8 x 512 over 4 stages: the shortest batch-1 decode step of
-    an 8B Llama on an H200 among the four tiles that `python -m
-    tandem.kernels.fp8_check --bench` timed fastest (2.79 ms; 8 x 1024 over
-    3 stages 2.80, 16 x 512 over 3 2.85, 16 x 256 over 4 2.90;
-    docs/benchmarks.md). The layers timed alone rank the tiles differently
-    from one lease to the next; the step decides."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    m, k = x.shape
-    block_n = block_n or 8
-    block_k = block_k or 512
-    n = weight.shape[0]
-    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
-    _fp8_gemv_kernel[(m, triton.cdiv(n, block_n))](
-        x, weight, weight_scale, bias if bias is not None else weight_scale, out, n, k,
-        x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=num_stages, **pdl_launch(x), num_warps=num_warps)
-    return out
-
-
 def fp8_skinny_gemm(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                     bias: Optional[torch.Tensor], out_dtype: torch.dtype, block_n: Optional[int] = None,
                     block_k: Optional[int] = None, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
@@ -219,14 +157,14 @@ def fp8_linear_cuda(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     """x [M, K] times the e4m3 weight [N, K] (row-major, so weight.t() is the
     column-major B cuBLASLt wants) with per-channel scales [N], in x's dtype,
     by the twin's rule: up to WEIGHT_ONLY_MAX_ROWS rows x unquantized
-    (fp8_gemv), above it quantized per token. quantize: the activation
+    (gemv_triton.gemv), above it quantized per token. quantize: the activation
     quantizer (the twin's under --attention-backend torch); skinny (tests
     and benchmarks): quantize whatever the rows, then the skinny Triton GEMM
     (True) or the FP8 GEMM (False); None: the layer's rule, the skinny GEMM
     up to SKINNY_MAX_ROWS rows and for the widths the FP8 GEMM refuses."""
     m, k = x.shape
     if m <= WEIGHT_ONLY_MAX_ROWS and skinny is None:
-        return fp8_gemv(x, weight, weight_scale, bias, x.dtype)
+        return gemv(x, weight, bias, weight_scale)
     # The FP8 GEMM needs both widths in multiples of 16; the Triton kernel takes any.
     gemm_shapes = k % 16 == 0 and weight.shape[0] % 16 == 0
     use_triton = skinny if skinny is not None else (m <= SKINNY_MAX_ROWS or not gemm_shapes)

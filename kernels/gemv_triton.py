@@ -1,0 +1,87 @@
+"""One row of activations times a weight matrix, on the CUDA cores: the
+linear layers of a decode step of one sequence, for 16-bit weights and for
+e4m3 weights with per-channel scales (weight-only: the row stays in the
+model dtype, fp8_torch.WEIGHT_ONLY_MAX_ROWS).
+
+A step of one row reads every weight once and multiplies it once: there is
+no tile to reuse, so the work is streaming the weight through the
+multiprocessors as fast as memory allows. cuBLAS splits such products over
+K and adds a reduction launch; here each program streams BLOCK_N whole
+weight rows with its own prefetch pipeline, and the row of x comes from L2.
+On an H200 this made the bf16 batch-1 decode step of an 8B Llama 4.71 ->
+4.28 ms (docs/benchmarks.md, the twenty-first session).
+
+Twins: torch.nn.functional.linear (16-bit weights) and
+fp8_torch.fp8_linear_torch(..., weight_only=True) (e4m3 weights).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from tandem.kernels.common_triton import pdl_launch, pdl_prologue
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, N, K, stride_x, stride_w, stride_out,
+                 HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 STAGES: tl.constexpr, PDL: tl.constexpr):
+    """Products in fp32 (e4m3 and 16-bit values widen exactly), each program
+    summing BLOCK_N output channels of one row of x.
+
+    The loop is pipelined explicitly (tl.range's num_stages): Triton's
+    kernel-wide num_stages pipelines loops that feed tl.dot, not this one,
+    which then waited for each tile before asking for the next (H200: the
+    batch-1 FP8 decode step of an 8B Llama 3.05 -> 2.79 ms)."""
+    pdl_prologue(PDL)
+    # Rows vary fastest over the grid: the programs of one weight tile run
+    # side by side, and all but the first read it from L2.
+    row = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    x_row = x_ptr + row * stride_x
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for start in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        ks = start + tl.arange(0, BLOCK_K)
+        x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + ks[None, :],
+                    mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0).to(tl.float32)
+        acc += w * x[None, :]
+    out = tl.sum(acc, axis=1)
+    if HAS_SCALE:
+        out *= tl.load(ws_ptr + cols, mask=cols < N, other=0.0)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=cols < N)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+         weight_scale: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
+         block_n: int = 8, block_k: int = 1024, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """x [M, K] times (weight [* weight_scale]) [N, K]^T (+ bias), in
+    out_dtype (x's by default): one program per (row, BLOCK_N channels), for
+    one row; each further row rereads the weight (from L2 at best).
+    weight_scale: fp32 [N], one per output channel (e4m3 weights).
+    num_stages: the weight tiles in flight per program.
+
+    Default tiles, 8 x 1024 over 3 stages, from the engine's batch-1 decode
+    step of an 8B Llama on an H200 (`bench latency`, docs/benchmarks.md):
+    bf16 4.28 ms (16 x 256 over 4 stages 4.27, 4 x 1024 over 3 4.45; cuBLAS
+    4.71), FP8 2.80 ms (8 x 512 over 4 stages 2.79, 16 x 512 over 3 2.85).
+    The layers timed alone (`python -m tandem.kernels.fp8_check --bench`)
+    rank the tiles differently from one lease to the next; the step decides."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
+    # Absent operands get any valid pointer; the constexpr flags skip their loads.
+    _gemv_kernel[(m, triton.cdiv(n, block_n))](
+        x, weight, weight_scale if weight_scale is not None else weight,
+        bias if bias is not None else weight, out, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        STAGES=num_stages, **pdl_launch(x), num_warps=num_warps)
+    return out
