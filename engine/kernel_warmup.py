@@ -116,11 +116,15 @@ def batch_inputs(batch: WarmupBatch, block_size: int,
 
 def run_batches(model: torch.nn.Module, kv_caches: list[torch.Tensor], batches: list[WarmupBatch],
                 block_size: int, device: torch.device) -> Iterator[WarmupBatch]:
-    """Each batch through the model (no logits, no sampling), yielded once queued."""
+    """Each batch through the model, yielded once queued. No sampling, and
+    logits only for a batch of one token: the LM head of a one-row step is
+    the one that takes a Triton kernel (the GEMV of kernels.ops.linear)."""
     with torch.inference_mode():
         for batch in batches:
             input_ids, positions, meta = batch_inputs(batch, block_size, device)
-            model(input_ids, positions, kv_caches, meta)
+            hidden = model(input_ids, positions, kv_caches, meta)
+            if batch.num_tokens == 1:
+                model.compute_logits(hidden)
             yield batch
 
 

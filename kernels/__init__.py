@@ -1,14 +1,15 @@
 """Attention ops over the paged KV cache, and the per-layer ops around them
 (RMSNorm with the residual add, rotary embedding, SiLU-and-multiply), and the
-fused mixture-of-experts MLP and its routing, and the FP8 linear layer.
+fused mixture-of-experts MLP and its routing, and the linear layers (16-bit
+and FP8).
 
 Each op has a plain-torch twin (runs on the CPU, and is the oracle for the
 Triton kernels in tests) and, on CUDA, a Triton kernel behind the same
 signature. `tandem.kernels.ops` picks one.
 """
 from tandem.kernels.metadata import AttentionMetadata
-from tandem.kernels.ops import (fp8_linear, fused_moe, moe_route, paged_attention, rms_norm, rotary, silu_and_mul,
-                                write_kv)
+from tandem.kernels.ops import (fp8_linear, fused_moe, linear, moe_route, paged_attention, rms_norm, rotary,
+                                silu_and_mul, write_kv)
 
-__all__ = ["AttentionMetadata", "fp8_linear", "fused_moe", "moe_route", "paged_attention", "rms_norm", "rotary",
-           "silu_and_mul", "write_kv"]
+__all__ = ["AttentionMetadata", "fp8_linear", "fused_moe", "linear", "moe_route", "paged_attention", "rms_norm",
+           "rotary", "silu_and_mul", "write_kv"]

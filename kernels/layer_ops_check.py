@@ -1,7 +1,8 @@
 """Check the per-layer Triton kernels (layer_ops_triton.py) against their
 torch twins: RMSNorm with and without the residual add, per-head RMSNorm on
-a strided view, rotary embedding on views of a fused QKV output, and
-SiLU-and-multiply; fp32, bf16 and fp16; power-of-two and other widths.
+a strided view, rotary embedding on views of a fused QKV output,
+SiLU-and-multiply, and the GEMV of one-row linear layers (gemv_triton.py)
+against torch's linear; fp32, bf16 and fp16; power-of-two and other widths.
 
     TRITON_INTERPRET=1 python -m tandem.kernels.layer_ops_check --device cpu   # CI, no GPU
     python -m tandem.kernels.layer_ops_check --device cuda                     # on a GPU
@@ -30,6 +31,7 @@ def close(out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
 
 
 def cases(device: str):
+    from tandem.kernels.gemv_triton import gemv
     from tandem.kernels.layer_ops_triton import rms_norm_triton, rotary_triton, silu_and_mul_triton
 
     gen = torch.Generator().manual_seed(0)
@@ -68,6 +70,12 @@ def cases(device: str):
             gate_up = rand(tokens, 2 * inter, dtype=dtype)
             yield f"silu_and_mul {dtype} {tokens}x{inter}", close(silu_and_mul_triton(gate_up),
                                                                   silu_and_mul_torch(gate_up))
+        # The GEMV of a one-row linear layer (kernels.ops.linear), at widths that are not multiples of its tiles
+        for rows, k, n, has_bias in ((1, 96, 40, False), (1, 1100, 72, True), (2, 64, 24, True)):
+            x, w = rand(rows, k, dtype=dtype), rand(n, k, dtype=dtype)
+            b = rand(n, dtype=dtype) if has_bias else None
+            yield (f"gemv {dtype} {rows}x{k} times {n}x{k}{' + bias' if has_bias else ''}",
+                   close(gemv(x, w, b), torch.nn.functional.linear(x, w, b)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -123,6 +123,20 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     return fused_moe_torch(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [..., K] times weight [N, K]^T (+ bias), as torch.nn.functional.linear.
+    On CUDA one 16-bit row (a decode step of one sequence) takes the Triton
+    GEMV (gemv_triton.py), which streams the weight faster than cuBLAS's
+    split-K GEMV; fp32 rows keep cuBLAS's arithmetic (the token-exact GPU
+    tests run in fp32), and more rows reuse each weight tile, cuBLAS's case."""
+    if (_use_triton(x) and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and x.numel() == x.shape[-1]):
+        from tandem.kernels.gemv_triton import gemv
+
+        return gemv(x.reshape(1, -1), weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: Optional[torch.Tensor] = None, weight_fp32: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] times an e4m3 weight [N, K] with per-channel scales [N], the

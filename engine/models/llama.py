@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from tandem.engine.fp8 import Fp8Linear
+from tandem.engine.models.linear import Linear
 from tandem.engine.models.vocab_parallel import VocabParallelEmbedding
 from tandem.engine.tensor_parallel import all_gather_last, all_reduce, shard_size, tp_group, vocab_shard
 from tandem.kernels import AttentionMetadata, paged_attention, rms_norm, rotary, silu_and_mul, write_kv
@@ -104,10 +105,10 @@ class Attention(nn.Module):
                                        "KV heads")
         self.head_dim = head_dim_of(config)
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.q_proj = Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.scale = self.head_dim ** -0.5
@@ -184,9 +185,9 @@ class MLP(nn.Module):
         if bias and tp_group().world_size > 1:
             raise ValueError("--tensor-parallel-size above 1 is not built for MLPs with biases (mlp_bias)")
         intermediate = shard_size(config.intermediate_size, "MLP channels")  # gate/up columns, down rows
-        self.gate_proj = nn.Linear(config.hidden_size, intermediate, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, config.hidden_size, bias=bias)
+        self.gate_proj = Linear(config.hidden_size, intermediate, bias=bias)
+        self.up_proj = Linear(config.hidden_size, intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, config.hidden_size, bias=bias)
         self.gate_up_proj: Optional[nn.Linear] = None  # set by fuse()
 
     def fuse(self) -> None:
@@ -207,8 +208,8 @@ def _concat_linears(linears: list[nn.Module]) -> nn.Module:
     first = linears[0]
     if isinstance(first, Fp8Linear):  # an FP8 checkpoint's projections (engine/fp8.py)
         return Fp8Linear.concat(linears)
-    fused = nn.Linear(first.in_features, sum(m.out_features for m in linears), bias=first.bias is not None,
-                      device=first.weight.device, dtype=first.weight.dtype)
+    fused = Linear(first.in_features, sum(m.out_features for m in linears), bias=first.bias is not None,
+                   device=first.weight.device, dtype=first.weight.dtype)
     with torch.no_grad():
         fused.weight.copy_(torch.cat([m.weight for m in linears]))
         if first.bias is not None:
@@ -269,7 +270,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.vocab_size = config.vocab_size
         # This rank's slice of the vocabulary (all of it without tensor parallelism)
-        self.lm_head = nn.Linear(config.hidden_size, vocab_shard(config.vocab_size)[1], bias=False)
+        self.lm_head = Linear(config.hidden_size, vocab_shard(config.vocab_size)[1], bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -39,3 +39,34 @@ def test_layer_op_kernels_match_torch_twins_on_gpu() -> None:
 
     failed = [(name, err) for name, (ok, err) in cases("cuda") if not ok]
     assert not failed, failed
+
+
+def test_one_row_16bit_linear_takes_the_gemv_and_other_rows_cublas(monkeypatch) -> None:
+    """kernels.ops.linear: a single bf16/fp16 row goes through the Triton
+    GEMV; two rows, an fp32 row and the torch backend go to torch's linear;
+    every answer agrees with torch's."""
+    from tandem.kernels import gemv_triton, ops
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    real = gemv_triton.gemv
+    monkeypatch.setattr(gemv_triton, "gemv", counted)
+    w = torch.randn(72, 1100, device="cuda")
+    b = torch.randn(72, device="cuda")
+    for dtype, rows, taken in ((torch.bfloat16, 1, True), (torch.float16, 1, True), (torch.bfloat16, 2, False),
+                               (torch.float32, 1, False)):
+        calls.clear()
+        x = torch.randn(rows, 1100, device="cuda", dtype=dtype)
+        out = ops.linear(x, w.to(dtype), b.to(dtype))
+        ref = torch.nn.functional.linear(x.float(), w.to(dtype).float(), b.to(dtype).float())
+        assert bool(calls) == taken, (dtype, rows, calls)
+        assert out.dtype == dtype and out.shape == (rows, 72)
+        assert (out.float() - ref).abs().max() <= 2 ** -6 * ref.abs().max()
+    calls.clear()
+    monkeypatch.setattr(ops, "_backend", "torch")
+    ops.linear(torch.randn(1, 1100, device="cuda", dtype=torch.bfloat16), w.bfloat16())
+    assert not calls
