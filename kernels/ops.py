@@ -130,7 +130,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     split-K GEMV; fp32 rows keep cuBLAS's arithmetic (the token-exact GPU
     tests run in fp32), and more rows reuse each weight tile, cuBLAS's case."""
     if (_use_triton(x) and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and x.numel() == x.shape[-1]):
+            and x.numel() == x.shape[-1] and weight.stride(-1) == 1):  # the GEMV reads weight rows whole
         from tandem.kernels.gemv_triton import gemv
 
         return gemv(x.reshape(1, -1), weight, bias).reshape(*x.shape[:-1], weight.shape[0])
