@@ -32,7 +32,7 @@ MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 # rows are quantized per token for the FP8 tensor cores, where a tile of
 # weights serves many rows. (On CUDA the FP8 GEMM at one row was slower than
 # bf16, 5.96 against 5.50 ms a step on the H200: its 128-channel tiles leave
-# most multiprocessors idle; the CUDA-core GEMV of fp8_triton.py serves it.)
+# most multiprocessors idle; the CUDA-core GEMV of gemv_triton.py serves it.)
 WEIGHT_ONLY_MAX_ROWS = 1
 
 

@@ -5,10 +5,11 @@ scale on A's rows, the channel's on B's columns), accumulated in fp32,
 written in bf16. For one row (decode of one sequence) the GEMV of
 gemv_triton.py multiplies the row, left in the model dtype, by the e4m3
 weight on the CUDA cores (the twin's weight-only rule,
-fp8_torch.WEIGHT_ONLY_MAX_ROWS: no quantizer launch). A Triton kernel on the FP8 tensor cores (the "skinny" GEMM, tiles
-of 16-64 rows and 32-64 channels) takes a few rows (up to SKINNY_MAX_ROWS),
-where the FP8 GEMM's tall tiles leave most multiprocessors idle, and the
-widths the FP8 GEMM refuses (not multiples of 16).
+fp8_torch.WEIGHT_ONLY_MAX_ROWS: no quantizer launch). A Triton kernel on
+the FP8 tensor cores (the "skinny" GEMM, tiles of 16-64 rows and 32-64
+channels) takes a few rows (up to SKINNY_MAX_ROWS), where the FP8 GEMM's
+tall tiles leave most multiprocessors idle, and the widths the FP8 GEMM
+refuses (not multiples of 16).
 
 Why a kernel for the quantization: as torch expressions it is five launches
 (abs, amax, divide, clamp, cast) per linear layer, four layers a block; at
@@ -27,8 +28,8 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.common_triton import interpreted, pdl_launch, pdl_prologue
-from tandem.kernels.gemv_triton import gemv
 from tandem.kernels.fp8_torch import FP8_DTYPE, FP8_MAX, INV_FP8_MAX, MIN_SCALE, WEIGHT_ONLY_MAX_ROWS
+from tandem.kernels.gemv_triton import gemv
 
 # Steps of up to this many rows (and more than WEIGHT_ONLY_MAX_ROWS) take the
 # skinny Triton GEMM rather than the FP8 GEMM (module docstring).
