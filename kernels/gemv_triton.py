@@ -24,6 +24,11 @@ import triton.language as tl
 
 from tandem.kernels.common_triton import pdl_launch, pdl_prologue
 
+# CUDA bounds a grid's second dimension (the channel tiles here) to 65535
+# programs: wider products (a vocabulary over 524,280 at 8-channel tiles)
+# launch once per slice of channels.
+MAX_CHANNEL_TILES = 65535
+
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, N, K, stride_x, stride_w, stride_out,
@@ -73,15 +78,30 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     4.71), FP8 2.80 ms (8 x 512 over 4 stages 2.79, 16 x 512 over 3 2.85).
     The layers timed alone (`python -m tandem.kernels.fp8_check --bench`)
     rank the tiles differently from one lease to the next; the step decides."""
+    if x.shape[1] != weight.shape[1]:
+        raise ValueError(f"gemv: x has {x.shape[1]} features, the weight {weight.shape[1]}")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    m, k = x.shape
-    n = weight.shape[0]
+    m, n = x.shape[0], weight.shape[0]
     out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
-    # Absent operands get any valid pointer; the constexpr flags skip their loads.
-    _gemv_kernel[(m, triton.cdiv(n, block_n))](
-        x, weight, weight_scale if weight_scale is not None else weight,
-        bias if bias is not None else weight, out, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        STAGES=num_stages, **pdl_launch(x), num_warps=num_warps)
+    step = MAX_CHANNEL_TILES * block_n
+    if n <= step:  # one launch, no views: eager steps pay host time per call
+        _launch(x, weight, weight_scale, bias, out, block_n, block_k, num_warps, num_stages)
+        return out
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        _launch(x, weight[lo:hi], None if weight_scale is None else weight_scale[lo:hi],
+                None if bias is None else bias[lo:hi], out[:, lo:hi], block_n, block_k, num_warps, num_stages)
     return out
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torch.Tensor],
+            bias: Optional[torch.Tensor], out: torch.Tensor, block_n: int, block_k: int, num_warps: int,
+            num_stages: int) -> None:
+    n, k = weight.shape
+    # Absent operands get any valid pointer; the constexpr flags skip their loads.
+    _gemv_kernel[(x.shape[0], triton.cdiv(n, block_n))](
+        x, weight, weight if weight_scale is None else weight_scale, weight if bias is None else bias, out, n, k,
+        x.stride(0), weight.stride(0), out.stride(0), HAS_SCALE=weight_scale is not None,
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=num_stages, **pdl_launch(x),
+        num_warps=num_warps)

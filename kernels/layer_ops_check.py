@@ -31,6 +31,7 @@ def close(out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
 
 
 def cases(device: str):
+    from tandem.kernels import gemv_triton
     from tandem.kernels.gemv_triton import gemv
     from tandem.kernels.layer_ops_triton import rms_norm_triton, rotary_triton, silu_and_mul_triton
 
@@ -76,6 +77,15 @@ def cases(device: str):
             b = rand(n, dtype=dtype) if has_bias else None
             yield (f"gemv {dtype} {rows}x{k} times {n}x{k}{' + bias' if has_bias else ''}",
                    close(gemv(x, w, b), torch.nn.functional.linear(x, w, b)))
+        # more channel tiles than a grid takes (gemv_triton.MAX_CHANNEL_TILES): launched slice by slice
+        x, w, b = rand(1, 64, dtype=dtype), rand(100, 64, dtype=dtype), rand(100, dtype=dtype)
+        limit, gemv_triton.MAX_CHANNEL_TILES = gemv_triton.MAX_CHANNEL_TILES, 3
+        try:
+            sliced = gemv(x, w, b)
+        finally:
+            gemv_triton.MAX_CHANNEL_TILES = limit
+        yield (f"gemv {dtype} 1x64 times 100x64 + bias, launched in slices of 3 tiles",
+               close(sliced, torch.nn.functional.linear(x, w, b)))
 
 
 def main(argv: list[str] | None = None) -> int:
