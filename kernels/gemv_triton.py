@@ -39,8 +39,8 @@ def _gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, N, K, stride_x, stride
 
     The loop is pipelined explicitly (tl.range's num_stages): Triton's
     kernel-wide num_stages pipelines loops that feed tl.dot, not this one,
-    which then waited for each tile before asking for the next (H200: the
-    batch-1 FP8 decode step of an 8B Llama 3.05 -> 2.79 ms)."""
+    which then waited for each tile before asking for the next (H200, one
+    lease: an 8B Llama's four projections at one row in FP8 73.5 -> 64.3 us)."""
     pdl_prologue(PDL)
     # Rows vary fastest over the grid: the programs of one weight tile run
     # side by side, and all but the first read it from L2.
