@@ -80,6 +80,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     rank the tiles differently from one lease to the next; the step decides."""
     if x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv: x has {x.shape[1]} features, the weight {weight.shape[1]}")
+    if weight.stride(1) != 1:
+        raise ValueError("gemv: the weight's rows must be contiguous (kernels.ops.linear sends others to torch)")
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, n = x.shape[0], weight.shape[0]
