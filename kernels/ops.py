@@ -8,6 +8,7 @@ when it starts; until then it is "auto".
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -123,13 +124,19 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     return fused_moe_torch(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
 
 
+# TANDEM_GEMV=0 keeps one-row 16-bit products with torch (cuBLAS), so that one
+# lease can time the engine with and without the GEMV (docs/benchmarks.md).
+GEMV_ENV = "TANDEM_GEMV"
+_gemv_on = os.environ.get(GEMV_ENV, "1") != "0"
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [..., K] times weight [N, K]^T (+ bias), as torch.nn.functional.linear.
     On CUDA one 16-bit row (a decode step of one sequence) takes the Triton
     GEMV (gemv_triton.py), which streams the weight faster than cuBLAS's
     split-K GEMV; fp32 rows keep cuBLAS's arithmetic (the token-exact GPU
     tests run in fp32), and more rows reuse each weight tile, cuBLAS's case."""
-    if (_use_triton(x) and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+    if (_gemv_on and _use_triton(x) and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and x.numel() == x.shape[-1] and weight.stride(-1) == 1):  # the GEMV reads weight rows whole
         from tandem.kernels.gemv_triton import gemv
 

@@ -43,8 +43,9 @@ def test_layer_op_kernels_match_torch_twins_on_gpu() -> None:
 
 def test_one_row_16bit_linear_takes_the_gemv_and_other_rows_cublas(monkeypatch) -> None:
     """kernels.ops.linear: a single bf16/fp16 row goes through the Triton
-    GEMV; two rows, an fp32 row, a weight of non-contiguous rows and the
-    torch backend go to torch's linear; every answer agrees with torch's."""
+    GEMV; two rows, an fp32 row, a weight of non-contiguous rows, the
+    torch backend and TANDEM_GEMV=0 go to torch's linear; every answer
+    agrees with torch's."""
     from tandem.kernels import gemv_triton, ops
 
     calls = []
@@ -72,5 +73,9 @@ def test_one_row_16bit_linear_takes_the_gemv_and_other_rows_cublas(monkeypatch) 
     x = torch.randn(1, 1100, device="cuda", dtype=torch.bfloat16)
     assert torch.allclose(ops.linear(x, w_t), torch.nn.functional.linear(x, w_t)) and not calls
     monkeypatch.setattr(ops, "_backend", "torch")
+    ops.linear(torch.randn(1, 1100, device="cuda", dtype=torch.bfloat16), w.bfloat16())
+    assert not calls
+    monkeypatch.setattr(ops, "_backend", "auto")
+    monkeypatch.setattr(ops, "_gemv_on", False)  # TANDEM_GEMV=0
     ops.linear(torch.randn(1, 1100, device="cuda", dtype=torch.bfloat16), w.bfloat16())
     assert not calls
