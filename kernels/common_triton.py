@@ -54,8 +54,8 @@ def mma(a, b, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
 
 
 # Programmatic dependent launch (Hopper and later): a kernel launched with it
-# may start while the kernel before it in the stream finishes, and waits in
-# its first instruction (pdl_prologue) for that kernel's memory. Inside a
+# may start while the kernel before it in the stream finishes, and waits
+# (pdl_prologue) for that kernel's memory before it touches it. Inside a
 # decode step's CUDA graph that hides each launch's latency between the small
 # kernels of a layer (docs/kernels.md). TANDEM_PDL=0 turns it off.
 PDL_ENV = "TANDEM_PDL"
@@ -91,9 +91,11 @@ def pdl_launch(t: torch.Tensor) -> dict[str, bool]:
 
 @triton.jit
 def pdl_prologue(PDL: tl.constexpr):
-    """First statement of a kernel launched with launch_pdl=PDL: wait until the
-    kernel before it has finished and its writes are visible (nothing of this
-    kernel reads or writes memory before), then let the kernel after it be
+    """Called by a kernel launched with launch_pdl=PDL before it reads what
+    an earlier kernel wrote or writes anything (as its first statement, or
+    after loads of memory no kernel of the step writes, such as the GEMV's
+    weights): wait until the kernel before it has finished and its writes
+    are visible, then let the kernel after it be
     launched, so that its programs are resident and waiting when this one
     ends. Without PDL both are no-ops and are left out."""
     if PDL:

@@ -40,20 +40,28 @@ def _gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, N, K, stride_x, stride
     The loop is pipelined explicitly (tl.range's num_stages): Triton's
     kernel-wide num_stages pipelines loops that feed tl.dot, not this one,
     which then waited for each tile before asking for the next (H200, one
-    lease: an 8B Llama's four projections at one row in FP8 73.5 -> 64.3 us)."""
-    pdl_prologue(PDL)
+    lease: an 8B Llama's four projections at one row in FP8 73.5 -> 64.3 us).
+
+    The first weight tile is asked for before the wait for the kernel
+    before (pdl_prologue): no kernel of a step writes weights, so the stream
+    starts while that kernel finishes; x, its output, is read after the wait
+    (H200, one lease: the bf16 batch-1 step of an 8B Llama 4.24 -> 4.17 ms)."""
     # Rows vary fastest over the grid: the programs of one weight tile run
     # side by side, and all but the first read it from L2.
     row = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w
+    ks = tl.arange(0, BLOCK_K)
+    w_first = tl.load(w_rows + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)
+    pdl_prologue(PDL)
     x_row = x_ptr + row * stride_x
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for start in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+    acc = w_first.to(tl.float32) * x[None, :]
+    for start in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         ks = start + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + ks[None, :],
-                    mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0).to(tl.float32)
+        w = tl.load(w_rows + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0).to(tl.float32)
         acc += w * x[None, :]
     out = tl.sum(acc, axis=1)
     if HAS_SCALE:
@@ -65,19 +73,26 @@ def _gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, N, K, stride_x, stride
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
          weight_scale: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
-         block_n: int = 8, block_k: int = 1024, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+         block_n: int = 8, block_k: Optional[int] = None, num_warps: int = 4,
+         num_stages: Optional[int] = None) -> torch.Tensor:
     """x [M, K] times (weight [* weight_scale]) [N, K]^T (+ bias), in
     out_dtype (x's by default): one program per (row, BLOCK_N channels), for
     one row; each further row rereads the weight (from L2 at best).
     weight_scale: fp32 [N], one per output channel (e4m3 weights).
     num_stages: the weight tiles in flight per program.
 
-    Default tiles, 8 x 1024 over 3 stages, from the engine's batch-1 decode
-    step of an 8B Llama on an H200 (`bench latency`, docs/benchmarks.md):
-    bf16 4.28 ms (16 x 256 over 4 stages 4.27, 4 x 1024 over 3 4.45; cuBLAS
-    4.71), FP8 2.80 ms (8 x 512 over 4 stages 2.79, 16 x 512 over 3 2.85).
-    The layers timed alone (`python -m tandem.kernels.fp8_check --bench`)
-    rank the tiles differently from one lease to the next; the step decides."""
+    Default tiles from an 8B Llama's batch-1 decode step on an H200
+    (`bench latency`, docs/benchmarks.md): 16-bit weights 8 x 1024 over 3
+    stages (4.28 ms; 16 x 256 over 4 stages 4.27, 4 x 1024 over 3 4.45;
+    cuBLAS 4.71); e4m3 weights 8 x 512 over 4 stages. Once the first tile
+    came before the PDL wait, 8 x 1024 over 3 slowed the FP8 layers in a
+    CUDA graph of the step's kernels (74.6 against 69.3 us a layer), and
+    8 x 512 over 4 kept the FP8 step at 2.79-2.80 ms. The layers timed
+    alone (`python -m tandem.kernels.fp8_check --bench`) rank the tiles
+    differently from one lease to the next; the step decides."""
+    fp8 = weight.element_size() == 1
+    block_k = block_k or (512 if fp8 else 1024)
+    num_stages = num_stages or (4 if fp8 else 3)
     if x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv: x has {x.shape[1]} features, the weight {weight.shape[1]}")
     if weight.stride(1) != 1:
