@@ -134,16 +134,24 @@ def _fp8_skinny_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, 
 
 def fp8_skinny_gemm(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                     bias: Optional[torch.Tensor], out_dtype: torch.dtype, block_n: Optional[int] = None,
-                    block_k: Optional[int] = None, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+                    block_k: Optional[int] = None, num_warps: int = 4,
+                    num_stages: Optional[int] = None) -> torch.Tensor:
     """(q * x_scale) [M, K] times (weight * weight_scale) [N, K]^T (+ bias):
     the arithmetic of the FP8 GEMM, for a few rows and for widths the FP8
-    GEMM refuses (not multiples of 16)."""
+    GEMM refuses (not multiples of 16).
+
+    Up to 16 rows a program reads 32 x 512 weight tiles over 3 stages: the
+    FP8 decode step of an 8B Llama on an H200 at 2 / 4 / 8 / 16 rows took
+    3.50 / 3.56 / 3.82 / 4.02 ms against 3.94 / 4.00 / 4.30 / 4.29 with 32 x
+    256 over 4 (one lease, `bench latency --quantization fp8`,
+    docs/benchmarks.md)."""
     m, k = q.shape
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=q.device)
     block_m = min(64, max(16, triton.next_power_of_2(m)))
     block_n = block_n or (32 if block_m <= 16 else 64)
-    block_k = block_k or (256 if block_m <= 16 else 128)
+    block_k = block_k or (512 if block_m <= 16 else 128)
+    num_stages = num_stages or (3 if block_m <= 16 else 4)
     _fp8_skinny_gemm_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
         q, x_scale, weight, weight_scale, bias if bias is not None else weight_scale, out, m, n, k,
         q.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
