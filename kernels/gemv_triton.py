@@ -79,6 +79,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     out_dtype (x's by default): one program per (row, BLOCK_N channels), for
     one row; each further row rereads the weight (from L2 at best).
     weight_scale: fp32 [N], one per output channel (e4m3 weights).
+    The weight must not be written by the kernel launched just before this
+    one: its first tile is read before the PDL wait (a model's parameters).
     num_stages: the weight tiles in flight per program.
 
     Default tiles from an 8B Llama's batch-1 decode step on an H200

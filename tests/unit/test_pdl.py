@@ -2,8 +2,8 @@
 launched with launch_pdl may start before the kernel ahead of it in the
 stream has finished, so it must wait (pdl_prologue) before it touches
 memory that kernel may write (before it, a kernel may only read what no
-kernel of a step writes, such as weights). These run on the CPU: the GPU timing is in docs/benchmarks.md and
-tests/gpu runs the kernels with it on."""
+kernel of a step writes, such as weights). These run on the CPU: the GPU
+timing is in docs/benchmarks.md and tests/gpu runs the kernels with it on."""
 from __future__ import annotations
 
 import ast
@@ -54,7 +54,7 @@ def _waits_before_touching_other_kernels_memory(fn: ast.FunctionDef, may_read: s
     return not (named & pointers) and not stores
 
 
-def test_every_kernel_launched_with_pdl_waits_before_anything_else():
+def test_every_kernel_launched_with_pdl_waits_before_touching_what_kernels_write():
     launched = {}
     for path in sorted(KERNELS.glob("*.py")):
         tree = ast.parse(path.read_text())
