@@ -6,7 +6,7 @@ written in bf16. For one row (decode of one sequence) the GEMV of
 gemv_triton.py multiplies the row, left in the model dtype, by the e4m3
 weight on the CUDA cores (the twin's weight-only rule,
 fp8_torch.WEIGHT_ONLY_MAX_ROWS: no quantizer launch). A Triton kernel on
-the FP8 tensor cores (the "skinny" GEMM, tiles of 16-64 rows and 32-64
+the FP8 tensor cores (the "skinny" GEMM, tiles of 16-64 rows and 64
 channels) takes a few rows (up to SKINNY_MAX_ROWS), where the FP8 GEMM's
 tall tiles leave most multiprocessors idle, and the widths the FP8 GEMM
 refuses (not multiples of 16).
@@ -21,6 +21,7 @@ round-to-nearest-even in both).
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -132,6 +133,21 @@ def _fp8_skinny_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, 
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
+def _few_rows_tile(device: torch.device) -> tuple[int, int]:
+    """(BLOCK_N, stages) of the skinny GEMM's 16-row tiles on device: 64 x
+    512 over 4 stages takes 160 KiB of shared memory, which Hopper has (227)
+    and Ada has not (99: there 32 x 512 over 3, 72 KiB)."""
+    if device.type != "cuda":
+        return 64, 4
+    return _few_rows_tile_on(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _few_rows_tile_on(device_index: int) -> tuple[int, int]:
+    shared = triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
+    return (64, 4) if shared >= 160 * 1024 else (32, 3)
+
+
 def fp8_skinny_gemm(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                     bias: Optional[torch.Tensor], out_dtype: torch.dtype, block_n: Optional[int] = None,
                     block_k: Optional[int] = None, num_warps: int = 4,
@@ -140,18 +156,21 @@ def fp8_skinny_gemm(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor
     the arithmetic of the FP8 GEMM, for a few rows and for widths the FP8
     GEMM refuses (not multiples of 16).
 
-    Up to 16 rows a program reads 32 x 512 weight tiles over 3 stages: the
-    FP8 decode step of an 8B Llama on an H200 at 2 / 4 / 8 / 16 rows took
-    3.50 / 3.56 / 3.82 / 4.02 ms against 3.94 / 4.00 / 4.30 / 4.29 with 32 x
-    256 over 4 (one lease, `bench latency --quantization fp8`,
-    docs/benchmarks.md)."""
+    Up to 16 rows a program reads 64 x 512 weight tiles over 4 stages on
+    Hopper (_few_rows_tile): the FP8 decode step of an 8B Llama on an H200
+    at 2 / 4 / 8 / 16 rows took 3.51 / 3.56 / 3.66 / 3.91 ms against 3.50 /
+    3.57 / 3.83 / 4.09 with 32 x 512 over 3, which had beaten 32 x 256 over 4
+    (3.50 / 3.56 / 3.82 / 4.02 against 3.94 / 4.00 / 4.30 / 4.29), each pair
+    in one lease (`bench latency --quantization fp8`, docs/benchmarks.md)."""
     m, k = q.shape
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=q.device)
     block_m = min(64, max(16, triton.next_power_of_2(m)))
-    block_n = block_n or (32 if block_m <= 16 else 64)
-    block_k = block_k or (512 if block_m <= 16 else 128)
-    num_stages = num_stages or (3 if block_m <= 16 else 4)
+    if block_m <= 16:
+        few_n, few_stages = _few_rows_tile(q.device)
+        block_n, block_k, num_stages = block_n or few_n, block_k or 512, num_stages or few_stages
+    else:
+        block_n, block_k, num_stages = block_n or 64, block_k or 128, num_stages or 4
     _fp8_skinny_gemm_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
         q, x_scale, weight, weight_scale, bias if bias is not None else weight_scale, out, m, n, k,
         q.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
