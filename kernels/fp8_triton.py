@@ -134,18 +134,29 @@ def _fp8_skinny_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, 
 
 
 def _few_rows_tile(device: torch.device) -> tuple[int, int]:
-    """(BLOCK_N, stages) of the skinny GEMM's 16-row tiles on device: 64 x
-    512 over 4 stages takes 160 KiB of shared memory, which Hopper has (227)
-    and Ada has not (99: there 32 x 512 over 3, 72 KiB)."""
+    """(BLOCK_N, stages) of the skinny GEMM's 16-row tiles on device."""
     if device.type != "cuda":
-        return 64, 4
+        return few_rows_tile(HOPPER_SHARED_MEMORY)
     return _few_rows_tile_on(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)
 def _few_rows_tile_on(device_index: int) -> tuple[int, int]:
-    shared = triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
-    return (64, 4) if shared >= 160 * 1024 else (32, 3)
+    return few_rows_tile(triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
+
+
+# A block's shared memory on Hopper (H100, H200), and what the 64-channel
+# tiles over 4 stages take: 3 stages in flight of a 64 x 512 e4m3 weight tile
+# and the 16 x 512 rows (what Triton 3.6 asked for these shapes on the H200).
+HOPPER_SHARED_MEMORY = 232448
+_WIDE_TILE_SHARED = 3 * (64 + 16) * 512
+
+
+def few_rows_tile(shared_memory: int) -> tuple[int, int]:
+    """(BLOCK_N, stages) up to 16 rows on a device with this much shared
+    memory a block (bytes): 64 channels over 4 stages (120 KiB) where it
+    fits, as on Hopper; else 32 over 3 (48 KiB), as on Ada's 99 KiB."""
+    return (64, 4) if shared_memory >= _WIDE_TILE_SHARED else (32, 3)
 
 
 def fp8_skinny_gemm(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -416,3 +416,14 @@ def test_fp8_smollm2_split_across_three_ranks_agrees_with_bf16_as_much():
 
     agreed, n = fp8_agreement("cpu", tensor_parallel_size=3)
     assert agreed >= 0.88 * n
+
+
+def test_the_skinny_fp8_gemm_takes_narrower_tiles_where_shared_memory_is_short():
+    """64-channel tiles over 4 stages need 120 KiB of shared memory a block:
+    Hopper has 227 KiB, Ada (L40S, RTX 4090) 99 KiB, which gets 32 over 3."""
+    from tandem.kernels.fp8_triton import HOPPER_SHARED_MEMORY, _few_rows_tile, few_rows_tile
+
+    assert few_rows_tile(HOPPER_SHARED_MEMORY) == (64, 4)
+    assert few_rows_tile(101376) == (32, 3)
+    assert _few_rows_tile(torch.device("cpu")) == (64, 4)  # Triton's interpreter: the Hopper tile
+
