@@ -6,7 +6,7 @@ written in bf16. For one row (decode of one sequence) the GEMV of
 gemv_triton.py multiplies the row, left in the model dtype, by the e4m3
 weight on the CUDA cores (the twin's weight-only rule,
 fp8_torch.WEIGHT_ONLY_MAX_ROWS: no quantizer launch). A Triton kernel on
-the FP8 tensor cores (the "skinny" GEMM, tiles of 16-64 rows and 64
+the FP8 tensor cores (the "skinny" GEMM, tiles of 16-64 rows and 32-64
 channels) takes a few rows (up to SKINNY_MAX_ROWS), where the FP8 GEMM's
 tall tiles leave most multiprocessors idle, and the widths the FP8 GEMM
 refuses (not multiples of 16).
@@ -133,18 +133,6 @@ def _fp8_skinny_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, 
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-def _few_rows_tile(device: torch.device) -> tuple[int, int]:
-    """(BLOCK_N, stages) of the skinny GEMM's 16-row tiles on device."""
-    if device.type != "cuda":
-        return few_rows_tile(HOPPER_SHARED_MEMORY)
-    return _few_rows_tile_on(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _few_rows_tile_on(device_index: int) -> tuple[int, int]:
-    return few_rows_tile(triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
-
-
 # A block's shared memory on Hopper (H100, H200), and what the 64-channel
 # tiles over 4 stages take: 3 stages in flight of a 64 x 512 e4m3 weight tile
 # and the 16 x 512 rows (what Triton 3.6 asked for these shapes on the H200).
@@ -159,6 +147,18 @@ def few_rows_tile(shared_memory: int) -> tuple[int, int]:
     return (64, 4) if shared_memory >= _WIDE_TILE_SHARED else (32, 3)
 
 
+def _few_rows_tile(device: torch.device) -> tuple[int, int]:
+    """few_rows_tile of device (the Hopper tile under Triton's interpreter)."""
+    if device.type != "cuda":
+        return few_rows_tile(HOPPER_SHARED_MEMORY)
+    return _few_rows_tile_on(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _few_rows_tile_on(device_index: int) -> tuple[int, int]:
+    return few_rows_tile(triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
+
+
 def fp8_skinny_gemm(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                     bias: Optional[torch.Tensor], out_dtype: torch.dtype, block_n: Optional[int] = None,
                     block_k: Optional[int] = None, num_warps: int = 4,
@@ -168,7 +168,7 @@ def fp8_skinny_gemm(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor
     GEMM refuses (not multiples of 16).
 
     Up to 16 rows a program reads 64 x 512 weight tiles over 4 stages on
-    Hopper (_few_rows_tile): the FP8 decode step of an 8B Llama on an H200
+    Hopper (few_rows_tile): the FP8 decode step of an 8B Llama on an H200
     at 2 / 4 / 8 / 16 rows took 3.51 / 3.56 / 3.66 / 3.91 ms against 3.50 /
     3.57 / 3.83 / 4.09 with 32 x 512 over 3, which had beaten 32 x 256 over 4
     (3.50 / 3.56 / 3.82 / 4.02 against 3.94 / 4.00 / 4.30 / 4.29), each pair
