@@ -147,16 +147,14 @@ def few_rows_tile(shared_memory: int) -> tuple[int, int]:
     return (64, 4) if shared_memory >= _WIDE_TILE_SHARED else (32, 3)
 
 
+@functools.lru_cache(maxsize=None)
 def _few_rows_tile(device: torch.device) -> tuple[int, int]:
-    """few_rows_tile of device (the Hopper tile under Triton's interpreter)."""
+    """few_rows_tile of device (the Hopper tile under Triton's interpreter),
+    cached per device as attention_triton._num_sms is."""
     if device.type != "cuda":
         return few_rows_tile(HOPPER_SHARED_MEMORY)
-    return _few_rows_tile_on(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _few_rows_tile_on(device_index: int) -> tuple[int, int]:
-    return few_rows_tile(triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return few_rows_tile(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
 
 
 def fp8_skinny_gemm(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
