@@ -6,7 +6,13 @@ code), where prompt lookup and draft models have something to predict.
 
 For each batch size (default 1 and 64) and each setting (no speculation,
 then every --speculative-config given), BATCH requests run together, greedy,
-up to --max-tokens each. Decode tokens/s counts the tokens after each
+up to --max-tokens each. --rounds N runs every setting N times, the
+settings' order reversed in every other round so that a drift of the
+machine (clocks, another tenant) does not favour one; the summary gives
+each setting's median speed-up over the rounds, each round's speed-up
+taken against that round's run without speculation. With several rounds
+every setting's engine is built first and kept for the whole run (each
+takes its share of --gpu-memory-utilization). Decode tokens/s counts the tokens after each
 request's first over the time from the moment every request has its first
 token to the last one's end, so prefill time is left out; the acceptance
 rate and the tokens per verifying step come from the engine's counters.
@@ -16,6 +22,9 @@ GPU `sample` is mostly the wait for the device) and how many verifying
 steps replayed a CUDA graph. --profile-steps N then runs each setting's
 largest batch once more under torch.profiler for N decode steps and prints
 the operations' device time and host time.
+With adaptive speculation (the default; "adaptive": false proposes at
+every step, as vLLM does) the table also gives the share of decode steps
+the governor let speculate, and each batch size's choice at the end.
 The table says whether the greedy outputs equal those without speculation:
 in fp32 they must; in bf16 a step that verifies k tokens computes in another
 batch shape than one that decodes one, and a near tie may flip a token, as
@@ -137,6 +146,16 @@ class SpecResult:
     verifying_steps: StepBreakdown = field(default_factory=StepBreakdown)
     plain_steps: StepBreakdown = field(default_factory=StepBreakdown)
     verify_graph_replays: int = 0  # verifying steps that replayed a CUDA graph (padded or not)
+    round: int = 0
+    governed_speculate_steps: int = 0  # adaptive: decode steps the governor let speculate
+    governed_plain_steps: int = 0
+    governor_leaders: dict = field(default_factory=dict)  # batch group -> speculating, at the run's end
+
+    @property
+    def speculating_share(self) -> Optional[float]:
+        """The share of governed decode steps allowed to speculate; None without a governor."""
+        total = self.governed_speculate_steps + self.governed_plain_steps
+        return self.governed_speculate_steps / total if total else None
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -162,6 +181,9 @@ def register(subparsers) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", default="1,64", help="comma-separated (default 1,64)")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens generated per request at most (default 256)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every setting this many times, in alternating order; the summary takes medians "
+                        "(default 1)")
     p.add_argument("--speculative-config", action="append", default=None, metavar="JSON",
                    help="a setting to compare with no speculation (as the engine flag); repeat for more. "
                         f"Default: {DEFAULT_SPECS[0]}")
@@ -222,7 +244,13 @@ def measure(llm, prompts: list[list[int]], max_tokens: int, setting: str,
         after.spec_decode_num_drafts - before.spec_decode_num_drafts,
         after.spec_decode_num_emitted_tokens - before.spec_decode_num_emitted_tokens,
         None if baseline is None else outputs == baseline, verifying, plain,
-        (graphs.replays - replays_before) if graphs is not None else 0)
+        (graphs.replays - replays_before) if graphs is not None else 0,
+        governed_speculate_steps=after.spec_decode_governed_speculate_steps
+        - before.spec_decode_governed_speculate_steps,
+        governed_plain_steps=after.spec_decode_governed_plain_steps - before.spec_decode_governed_plain_steps)
+    governor = engine.speculator.governor if engine.speculator is not None else None
+    if governor is not None:
+        result.governor_leaders = governor.leaders()
     return result, outputs
 
 
@@ -274,48 +302,110 @@ def _sync(engine) -> None:
 def run(args: argparse.Namespace) -> int:
     from tandem.engine import LLM, SamplingParams
 
+    if args.rounds < 1:
+        print("--rounds must be at least 1", file=sys.stderr)
+        return 2
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
     specs = args.speculative_config or DEFAULT_SPECS
-    settings: list[tuple[str, Optional[str]]] = [("none", None)] + [(s, s) for s in specs]
+    # Short labels for the table (the JSON settings share their first 58 characters); a legend names them.
+    settings: list[tuple[str, Optional[str]]] = [("none", None)] + [(f"S{i}", s) for i, s in enumerate(specs, 1)]
+    for label, spec in settings[1:]:
+        print(f"{label}: {spec}")
     results: list[SpecResult] = []
     baselines: dict[int, list[list[int]]] = {}
-    for name, spec in settings:
-        engine_args = EngineArgs.from_cli_args(args, speculative_config=spec, max_num_seqs=max(batch_sizes))
-        llm = LLM.from_engine_args(engine_args)
+
+    def engine(index: int, spec: Optional[str]):
+        overrides: dict = {"speculative_config": spec, "max_num_seqs": max(batch_sizes)}
+        if args.rounds > 1 and args.gpu_memory_utilization == EngineArgs.gpu_memory_utilization:
+            # All settings' engines live in this process at once, and an engine's
+            # share counts what the process holds already: the i-th of n takes
+            # (i + 1) / n of the default, so each gets about 1 / n of it.
+            overrides["gpu_memory_utilization"] = args.gpu_memory_utilization * (index + 1) / len(settings)
+        llm = LLM.from_engine_args(EngineArgs.from_cli_args(args, **overrides))
         llm.generate([llm.encode("Warm up: repeat this, repeat this.")],
                      SamplingParams(temperature=0, max_tokens=8))  # one-time costs out of the timing
-        for batch in batch_sizes:
-            prompts = _prompts(llm, batch, not args.no_chat_template)
-            result, outputs = measure(llm, prompts, args.max_tokens, name, baselines.get(batch))
-            if spec is None:
-                baselines[batch] = outputs
-            results.append(result)
-            print(f"{name} batch {batch}: {result.decode_tokens_per_s:.1f} decode tok/s, acceptance "
-                  f"{result.acceptance_rate:.2f}, {result.tokens_per_step:.2f} tokens/step", file=sys.stderr)
-            print(f"  verifying steps: {result.verifying_steps.line()}; {result.verify_graph_replays} "
-                  f"replayed a CUDA graph\n  plain steps: {result.plain_steps.line()}", file=sys.stderr)
-        if args.profile_steps > 0:
-            prompts = _prompts(llm, max(batch_sizes), not args.no_chat_template)
-            print(f"{name} batch {max(batch_sizes)}:\n"
-                  f"{profile_decode(llm, prompts, args.max_tokens, args.profile_steps)}", file=sys.stderr)
-        del llm
-        gc.collect()
-    print(f"{'setting':<60}{'batch':>6}{'decode tok/s':>14}{'speedup':>9}{'accept':>8}{'tok/step':>9}"
-          f"{'same':>6}")
-    base = {r.batch_size: r.decode_tokens_per_s for r in results if r.setting == "none"}
-    for r in results:
-        speedup = r.decode_tokens_per_s / base[r.batch_size] if base.get(r.batch_size) else 0.0
-        same = "-" if r.same_as_baseline is None else ("yes" if r.same_as_baseline else "NO")
-        print(f"{r.setting[:58]:<60}{r.batch_size:>6}{r.decode_tokens_per_s:>14.1f}{speedup:>8.2f}x"
-              f"{r.acceptance_rate:>8.2f}{r.tokens_per_step:>9.2f}{same:>6}")
+        return llm
+
+    # One round: each setting's engine is built, run and dropped. Several: every
+    # engine is built first and kept, so the rounds alternate between settings
+    # without paying for a start each time.
+    kept = [engine(i, spec) for i, (_, spec) in enumerate(settings)] if args.rounds > 1 else None
+    for round_ in range(args.rounds):
+        order = list(enumerate(settings))
+        if round_ % 2:
+            order.reverse()
+        for index, (name, spec) in order:
+            llm = kept[index] if kept is not None else engine(index, spec)
+            for batch in batch_sizes:
+                prompts = _prompts(llm, batch, not args.no_chat_template)
+                # Every run of every round against the first run without speculation.
+                result, outputs = measure(llm, prompts, args.max_tokens, name, baselines.get(batch))
+                result.round = round_
+                if spec is None and batch not in baselines:
+                    baselines[batch] = outputs
+                results.append(result)
+                share = result.speculating_share
+                governed = "" if share is None else (f", governor: {share:.0%} of decode steps speculating, "
+                                                     f"choices at the end {result.governor_leaders}")
+                print(f"round {round_} {name} batch {batch}: {result.decode_tokens_per_s:.1f} decode tok/s, "
+                      f"acceptance {result.acceptance_rate:.2f}, {result.tokens_per_step:.2f} tokens/step"
+                      f"{governed}", file=sys.stderr)
+                print(f"  verifying steps: {result.verifying_steps.line()}; {result.verify_graph_replays} "
+                      f"replayed a CUDA graph\n  plain steps: {result.plain_steps.line()}", file=sys.stderr)
+            if args.profile_steps > 0 and round_ == 0:
+                prompts = _prompts(llm, max(batch_sizes), not args.no_chat_template)
+                print(f"{name} batch {max(batch_sizes)}:\n"
+                      f"{profile_decode(llm, prompts, args.max_tokens, args.profile_steps)}", file=sys.stderr)
+            if kept is None:
+                del llm
+                gc.collect()
+    print(format_table(results))
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items() if k != "handler"},
                        "results": [asdict(r) | {"decode_tokens_per_s": r.decode_tokens_per_s,
                                                 "acceptance_rate": r.acceptance_rate,
-                                                "tokens_per_step": r.tokens_per_step} for r in results]},
+                                                "tokens_per_step": r.tokens_per_step,
+                                                "speculating_share": r.speculating_share} for r in results]},
                       f, indent=2, default=str)
     return 0
+
+
+def speedups(results: list[SpecResult]) -> dict[tuple[str, int], list[float]]:
+    """Per (setting, batch): each round's decode tok/s over that round's run without speculation."""
+    base = {(r.round, r.batch_size): r.decode_tokens_per_s for r in results if r.setting == "none"}
+    out: dict[tuple[str, int], list[float]] = {}
+    for r in results:
+        b = base.get((r.round, r.batch_size))
+        if b:
+            out.setdefault((r.setting, r.batch_size), []).append(r.decode_tokens_per_s / b)
+    return out
+
+
+def format_table(results: list[SpecResult]) -> str:
+    """Each run, then (with several rounds) each setting's median and range of speed-ups."""
+    lines = [f"{'setting':<10}{'round':>6}{'batch':>6}{'decode tok/s':>14}{'speedup':>9}{'accept':>8}"
+             f"{'tok/step':>9}{'spec':>6}{'same':>6}"]
+    ups = speedups(results)
+    index: dict[tuple[str, int], int] = {}
+    for r in results:
+        key = (r.setting, r.batch_size)
+        up = ups.get(key, [])[index.get(key, 0)] if ups.get(key) else 0.0
+        index[key] = index.get(key, 0) + 1
+        same = "-" if r.same_as_baseline is None else ("yes" if r.same_as_baseline else "NO")
+        share = "-" if r.speculating_share is None else f"{r.speculating_share:.0%}"
+        lines.append(f"{r.setting[:8]:<10}{r.round:>6}{r.batch_size:>6}{r.decode_tokens_per_s:>14.1f}{up:>8.2f}x"
+                     f"{r.acceptance_rate:>8.2f}{r.tokens_per_step:>9.2f}{share:>6}{same:>6}")
+    rounds = {r.round for r in results}
+    if len(rounds) > 1:
+        lines.append("")
+        lines.append(f"{'setting':<10}{'batch':>6}{'median speedup':>16}{'min':>8}{'max':>8}  over {len(rounds)} rounds")
+        for (setting, batch), values in ups.items():
+            if setting == "none":
+                continue
+            lines.append(f"{setting[:8]:<10}{batch:>6}{statistics.median(values):>15.2f}x{min(values):>7.2f}x"
+                         f"{max(values):>7.2f}x")
+    return "\n".join(lines)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

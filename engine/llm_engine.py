@@ -105,6 +105,11 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_emitted_tokens: int = 0
+    # The adaptive governor (spec_decode/governor.py): decode steps it let
+    # speculate, steps it kept plain, and how often a batch size's choice flipped.
+    spec_decode_governed_speculate_steps: int = 0
+    spec_decode_governed_plain_steps: int = 0
+    spec_decode_governor_changes: int = 0
 
 
 @dataclass
@@ -384,6 +389,8 @@ class LLMEngine:
         times, clock = self.step_times, time.perf_counter
         t0 = clock()
         compiles_before = compile_log.compiles()
+        if self.speculator is not None:
+            self.speculator.step_started(t0)
         if self._propose_next:
             # A lookup one token behind found drafts: this step waits for the
             # tokens in flight, so that its proposals follow the last of them.
@@ -391,7 +398,7 @@ class LLMEngine:
             if inflight is not None:
                 ready += self._take(inflight)
                 self._forget_finished(inflight.requests)
-                self.speculator.propose(inflight.requests, len(scheduler.running))
+                self.speculator.propose(inflight.requests)
                 inflight = None
         plan = scheduler.schedule()
         if self.speculator is not None:
@@ -436,8 +443,10 @@ class LLMEngine:
         # The text of the verifying step before, while this one runs.
         outputs = ready + scheduler.take_text()
         requests = scheduler.sampling_requests
+        num_accepted = 0
         if logits is not None and plan.num_draft_tokens:
             result = self._verify(logits, requests, scheduler.sampling_drafts)
+            num_accepted = sum(result.num_accepted)
             t4 = clock()
             outputs += self._take(inflight)  # the step before's tokens come first
             # Under asynchronous scheduling the text waits for the next step's
@@ -467,10 +476,13 @@ class LLMEngine:
         t5 = clock()
         if self.speculator is not None and logits is not None:
             self._forget_finished(requests)
-            if self._inflight is None:
-                self.speculator.propose(requests, len(scheduler.running))  # those still running
-            else:  # this step's tokens are in flight: look up without them (see _step's start)
-                self._propose_next = self.speculator.would_propose(requests, len(scheduler.running))
+            self.speculator.step_ran(t0, plan, num_accepted)
+            # Unless the next step is to decode plainly (no lookup, no draft forwards):
+            if self.speculator.decide(len(scheduler.running)):
+                if self._inflight is None:
+                    self.speculator.propose(requests)  # those still running
+                else:  # this step's tokens are in flight: look up without them (see _step's start)
+                    self._propose_next = self.speculator.would_propose(requests)
         t6 = clock()
         times.schedule, times.prepare, times.forward = t1 - t0, t2 - t1_loaded, t3 - t2
         times.sample, times.update, times.propose = t4 - t3, t5 - t4, t6 - t5
@@ -586,6 +598,12 @@ class LLMEngine:
             spec_decode_num_emitted_tokens=ss.spec_num_emitted_tokens)
         if cs is not None:
             stats.kv_phase_seconds, stats.kv_phase_counts = cs.phases()
+        governor = self.speculator.governor if self.speculator is not None else None
+        if governor is not None:
+            gc = governor.counts
+            stats.spec_decode_governed_speculate_steps = gc.speculate_steps
+            stats.spec_decode_governed_plain_steps = gc.plain_steps
+            stats.spec_decode_governor_changes = gc.leader_changes
         if self.swapper is not None:
             sw = self.swapper.stats
             stats.kv_swapped_out_blocks, stats.kv_swapped_in_blocks = sw.swapped_out_blocks, sw.swapped_in_blocks

@@ -39,6 +39,10 @@ class SpeculativeConfig:
     # in a large batch verifying drafts can cost more than it saves
     # (docs/benchmarks.md: 0.76-1.20x at batch 64 on H100s, by the host's speed).
     disable_by_batch_size: Optional[int] = None
+    # tandem's own key: propose only while proposing measures faster than not
+    # proposing at this batch size (governor.py); False proposes whenever the
+    # proposer finds drafts, as vLLM does.
+    adaptive: bool = True
 
     @property
     def keys(self) -> dict[str, Any]:
@@ -84,6 +88,10 @@ class SpeculativeConfig:
                                       or off_above < 1):
             raise SpeculativeConfigError(f"disable_by_batch_size must be an integer of at least 1 (no "
                                          f"proposals while more requests run), got {off_above!r}")
+        adaptive = v.get("adaptive", True)
+        if not isinstance(adaptive, bool):
+            raise SpeculativeConfigError(f"adaptive must be true (propose only while it measures faster, the "
+                                         f"default) or false (always propose), got {adaptive!r}")
         model, method = v.get("model"), v.get("method")
         if model is not None and (not isinstance(model, str) or not model):
             raise SpeculativeConfigError(f"model must be a model name or path, got {model!r}")
@@ -104,7 +112,7 @@ class SpeculativeConfig:
             if lo is not None or hi is not None:
                 raise SpeculativeConfigError("prompt_lookup_min/max are for method 'ngram'; drop them for "
                                              "'draft_model'")
-            return cls(method, k, model=model, disable_by_batch_size=off_above)
+            return cls(method, k, model=model, disable_by_batch_size=off_above, adaptive=adaptive)
         if model not in (None, "ngram", "[ngram]"):
             raise SpeculativeConfigError(f"method 'ngram' takes no draft model (got model {model!r}); use "
                                          "method 'draft_model' to speculate with a model")
@@ -117,4 +125,5 @@ class SpeculativeConfig:
         hi = lo if hi is None else hi
         if lo > hi:
             raise SpeculativeConfigError(f"prompt_lookup_min ({lo}) must not exceed prompt_lookup_max ({hi})")
-        return cls("ngram", k, prompt_lookup_min=lo, prompt_lookup_max=hi, disable_by_batch_size=off_above)
+        return cls("ngram", k, prompt_lookup_min=lo, prompt_lookup_max=hi, disable_by_batch_size=off_above,
+                   adaptive=adaptive)

@@ -12,6 +12,11 @@ speculate.
 
 How many tokens: num_speculative_tokens, less where max_tokens or the
 context would cut them anyway.
+
+Which steps: with more requests running than disable_by_batch_size, none;
+otherwise, unless the config says adaptive: false, those the governor
+(governor.py) lets speculate, by the decode speed each policy measures at
+the batch's size. The engine asks decide() once per step, then proposes.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from tandem.engine.config import ConfigError, EngineConfig, ModelConfig
 from tandem.engine.loader import ModelInfo
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.spec_decode.config import SpeculativeConfig
+from tandem.engine.spec_decode.governor import SpeculationGovernor
 from tandem.engine.spec_decode.ngram_proposer import NgramProposer
 from tandem.engine.tensor_parallel import unsplit
 
@@ -57,6 +63,7 @@ class Speculator:
         self.k = config.num_speculative_tokens
         self.proposer = proposer
         self.max_model_len = 2**31 - 1
+        self.governor: Optional[SpeculationGovernor] = SpeculationGovernor() if config.adaptive else None
 
     @classmethod
     def create(cls, config: EngineConfig, target: ModelInfo) -> "Speculator":
@@ -91,11 +98,33 @@ class Speculator:
         model's proposals are its forwards, which move its KV."""
         return isinstance(self.proposer, NgramProposer)
 
-    def propose(self, requests: Sequence[Request], num_running: int = 0) -> None:
-        """Set spec_token_ids of each running request in `requests` that speculates.
-        num_running: the engine's running requests; above the config's
-        disable_by_batch_size nothing is proposed (the next step decodes plainly)."""
-        chosen, ks = self._chosen(requests, num_running)
+    def decide(self, num_running: int) -> bool:
+        """Whether the next step may carry drafts, for a batch of num_running
+        requests (the module docstring); the engine proposes only if so."""
+        off_above = self.config.disable_by_batch_size
+        if off_above is not None and num_running > off_above:
+            if self.governor is not None:
+                self.governor.forget_decision()
+            return False
+        return self.governor is None or self.governor.decide(num_running)
+
+    def step_started(self, now: float) -> None:
+        """The engine starts a step (time.perf_counter): the governor's clock."""
+        if self.governor is not None:
+            self.governor.step_started(now)
+
+    def step_ran(self, start: float, plan, num_accepted: int) -> None:
+        """The step begun at `start` ran `plan` (a SchedulerOutput) and its
+        verified rows accepted num_accepted drafts in all: the governor
+        measures it if it only decoded."""
+        if self.governor is not None:
+            decode_only = len(plan.sampled) == plan.num_entries and \
+                plan.num_scheduled_tokens == plan.num_logits_rows
+            self.governor.step_ran(start, decode_only, len(plan.sampled) + num_accepted)
+
+    def propose(self, requests: Sequence[Request]) -> None:
+        """Set spec_token_ids of each running request in `requests` that speculates."""
+        chosen, ks = self._chosen(requests)
         if not chosen:
             return
         with unsplit():
@@ -104,19 +133,16 @@ class Speculator:
             if drafts:
                 request.spec_token_ids = drafts
 
-    def would_propose(self, requests: Sequence[Request], num_running: int = 0) -> bool:
+    def would_propose(self, requests: Sequence[Request]) -> bool:
         """Whether propose() would give any of `requests` drafts, setting none
         (can_probe proposers only). Asynchronous scheduling asks it while a
         step's tokens are still on the device: a lookup one token behind
         predicts whether the next one finds drafts."""
-        chosen, ks = self._chosen(requests, num_running)
+        chosen, ks = self._chosen(requests)
         return bool(chosen) and any(self.proposer.propose(chosen, ks))
 
-    def _chosen(self, requests: Sequence[Request], num_running: int) -> tuple[list[Request], list[int]]:
+    def _chosen(self, requests: Sequence[Request]) -> tuple[list[Request], list[int]]:
         """The requests that get proposals, and how many tokens each at most."""
-        off_above = self.config.disable_by_batch_size
-        if off_above is not None and num_running > off_above:
-            return [], []
         chosen: list[Request] = []
         ks: list[int] = []
         for request in requests:

@@ -51,6 +51,9 @@ class EngineMetrics:
         "spec_decode_num_draft_tokens": ("SPEC_DECODE_NUM_DRAFT_TOKENS", {}),
         "spec_decode_num_accepted_tokens": ("SPEC_DECODE_NUM_ACCEPTED_TOKENS", {}),
         "spec_decode_num_emitted_tokens": ("SPEC_DECODE_NUM_EMITTED_TOKENS", {}),
+        "spec_decode_governed_speculate_steps": ("SPEC_DECODE_GOVERNED_STEPS", {"policy": "speculate"}),
+        "spec_decode_governed_plain_steps": ("SPEC_DECODE_GOVERNED_STEPS", {"policy": "plain"}),
+        "spec_decode_governor_changes": ("SPEC_DECODE_GOVERNOR_CHANGES", {}),
     }
 
     def __init__(self, engine, role: str) -> None:

@@ -108,6 +108,14 @@ SPEC_DECODE_NUM_EMITTED_TOKENS = Counter(
     "tandem:spec_decode_num_emitted_tokens",
     "Speculative decoding: tokens the verifying steps added to their requests, accepted drafts plus the "
     "target's own token, less what a stop cut (tokens per step: this / num_drafts).", ENGINE)
+SPEC_DECODE_GOVERNED_STEPS = Counter(
+    "tandem:spec_decode_governed_steps",
+    "Speculative decoding, adaptive: decode steps by the policy the governor chose for them (speculate: "
+    "drafts proposed where found; plain: no proposal), from the decode speed each measured at the batch's "
+    "size.", ENGINE + ("policy",))
+SPEC_DECODE_GOVERNOR_CHANGES = Counter(
+    "tandem:spec_decode_governor_changes",
+    "Speculative decoding, adaptive: times a batch size's policy changed (speculate to plain or back).", ENGINE)
 PROMPT_TOKENS_BY_SOURCE = Counter(
     "tandem:prompt_tokens_by_source",
     "Prompt tokens by where their KV came from: local_compute, local_cache_hit, external_kv_transfer.",

@@ -15,7 +15,8 @@ from tests.support.hf_oracle import compare_with_tie_rule, run_greedy, tiny_mode
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 MAX_NEW = 24
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "adaptive": False}
 
 
 def prompts() -> list[list[int]]:

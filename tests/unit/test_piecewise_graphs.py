@@ -146,7 +146,8 @@ def test_steps_with_drafts_beside_prompt_chunks_go_through_the_pieces(tmp_path):
 
     path, _ = tiny_model_dir(tmp_path, "llama")
     prompts = [[5, 6, 7, 8, 9, 10] * 8 + [5, 6], [40, 41, 42] * 20] + _prompts()
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+            "adaptive": False}
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     tokens, drafted = {}, 0
     for emulate in (False, True):

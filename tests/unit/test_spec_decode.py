@@ -17,7 +17,11 @@ MAX_TOKENS = 24
 TEXT = ("The history of the printing press begins in the fifteenth century, when movable type changed "
         "how knowledge moved across Europe. Before it, books were copied by hand, slowly and at great "
         "cost. Scholars, merchants and clergy all felt the change within a generation. ")
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+# "adaptive": False: these tests check what verifying does, so every step that
+# can carry drafts must, whether or not speculation pays on this CPU (the
+# governor has tests of its own below).
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+         "adaptive": False}
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +163,8 @@ def test_sampled_requests_speculate_too(workload, ngram):
 
 def test_smollm2_drafting_for_itself_accepts_nearly_everything(workload):
     prompts, params, refs = workload
-    llm = LLM(speculative_config={"method": "draft_model", "model": "smollm2", "num_speculative_tokens": 4})
+    llm = LLM(speculative_config={"method": "draft_model", "model": "smollm2", "num_speculative_tokens": 4,
+                                  "adaptive": False})
     outputs = llm.generate(prompts, params)
     assert_same_output(outputs, refs)
     drafts, draft_tokens, accepted, emitted = spec_counters(llm)
@@ -171,7 +176,8 @@ def test_smollm2_drafting_for_itself_accepts_nearly_everything(workload):
 @pytest.fixture(scope="module")
 def random_draft(tmp_path_factory):
     path, _ = tiny_model_dir(tmp_path_factory.mktemp("draft"), "llama", vocab_size=49152)
-    return LLM(speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 3})
+    return LLM(speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 3,
+                                  "adaptive": False})
 
 
 def test_a_random_draft_accepts_little_and_changes_nothing(workload, random_draft):
@@ -216,3 +222,53 @@ def test_a_draft_of_another_vocabulary_is_refused_before_the_model_loads(tmp_pat
     path, _ = tiny_model_dir(tmp_path, "llama")  # 512 tokens
     with pytest.raises(ConfigError, match="--speculative-config: the draft model .* its vocabulary has 512"):
         LLM(speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 2})
+
+
+# ---- adaptive speculation (the default): the governor on the real engine ----
+
+def governed(llm: LLM) -> tuple[int, int, int]:
+    s = llm.engine.stats()
+    return (s.spec_decode_governed_speculate_steps, s.spec_decode_governed_plain_steps,
+            s.spec_decode_governor_changes)
+
+
+def test_the_governor_keeps_speculating_where_drafts_are_accepted(workload):
+    """One request copying its prompt: prompt lookup's drafts are nearly all
+    accepted, a verifying step emits about four tokens for little more than
+    a plain step's cost, so the governor keeps speculating (its plain bursts
+    measure slower) and the output is the engine's own. Under asynchronous
+    scheduling, so that its decisions also steer the lookup one token behind."""
+    prompts, _, _ = workload
+    llm = LLM(speculative_config={k: v for k, v in NGRAM.items() if k != "adaptive"}, async_scheduling="on")
+    assert llm.engine.speculator.governor is not None, "adaptive is the default"
+    params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
+    ours = llm.generate([prompts[0]], params)[0].outputs[0].token_ids
+    speculate, plain, changes = governed(llm)
+    assert changes == 0 and llm.engine.speculator.governor.leaders() == {1: True}
+    assert plain >= 5, "it tried decoding plainly for a burst"
+    assert speculate > plain
+    assert spec_counters(llm)[2] > 40, "drafts were proposed and accepted"
+    base = LLM(async_scheduling="on")
+    assert ours == base.generate([prompts[0]], params)[0].outputs[0].token_ids
+
+
+def test_the_governor_stops_speculating_where_drafts_are_rejected(workload, tmp_path):
+    """A random-weight draft: nearly every draft is rejected, so a verifying
+    step emits about one token a request and costs the draft's forwards and
+    four rows a request. The governor measures plain decoding faster and
+    keeps most steps plain, with bursts of speculation that find nothing
+    better; the output is the engine's own."""
+    prompts, _, _ = workload
+    path, _ = tiny_model_dir(tmp_path, "llama", vocab_size=49152)
+    llm = LLM(speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 3})
+    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    batch = prompts[:4]  # 4 running: one group of batch sizes (4-7) throughout
+    ours = [o.outputs[0].token_ids for o in llm.generate(batch, params)]
+    speculate, plain, changes = governed(llm)
+    assert changes >= 1 and llm.engine.speculator.governor.leaders()[4] is False
+    assert plain > 2 * speculate
+    drafts_before = spec_counters(llm)[1]
+    assert drafts_before > 0, "it speculated before it knew better"
+    base = LLM()
+    assert ours == [o.outputs[0].token_ids for o in base.generate(batch, params)]
+    assert_all_blocks_back(llm)

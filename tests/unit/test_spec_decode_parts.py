@@ -330,7 +330,7 @@ def test_disable_by_batch_size_proposes_only_while_few_requests_run(tmp_path):
     prompts = [[5, 6, 7, 8] * 10] + [[rng.randrange(2, 512) for _ in range(20)] for _ in range(3)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-            "disable_by_batch_size": 2}
+            "disable_by_batch_size": 2, "adaptive": False}
     assert SpeculativeConfig.parse(spec).disable_by_batch_size == 2
     llm = LLM(path, device="cpu", dtype="float32", num_blocks=256, speculative_config=spec)
     plain = LLM(path, device="cpu", dtype="float32", num_blocks=256)

@@ -195,7 +195,7 @@ def test_tp2_with_ngram_speculation_matches_hf(tmp_path):
     refs = [hf_greedy(hf, p, max_new, eos_token_id=None) for p in prompts]
     llm = LLM(path, tensor_parallel_size=2,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-                                  "prompt_lookup_max": 3})
+                                  "prompt_lookup_max": 3, "adaptive": False})
     try:
         check_against_oracle(run_greedy(llm, prompts, max_new), refs, exact=False)
         stats = llm.engine.stats()
@@ -214,7 +214,8 @@ def test_tp2_with_a_draft_model_accepts_its_drafts_and_matches_hf(tmp_path):
     prompts = [[rng.randrange(2, 512) for _ in range(n)] for n in (5, 17, 40)]
     max_new = 20
     refs = [hf_greedy(hf, p, max_new, eos_token_id=None) for p in prompts]
-    llm = LLM(path, tensor_parallel_size=2, speculative_config={"model": path, "num_speculative_tokens": 3})
+    llm = LLM(path, tensor_parallel_size=2, speculative_config={"model": path, "num_speculative_tokens": 3,
+                                                                      "adaptive": False})
     try:
         draft = llm.engine.speculator.proposer.runner.model.model.layers[0].self_attn
         assert draft.num_heads == 8  # whole, while the target's rank 0 holds 4

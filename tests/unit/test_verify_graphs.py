@@ -56,7 +56,8 @@ def test_verifying_steps_through_the_graph_layout_give_the_eager_tokens(tmp_path
     rng = random.Random(4)
     prompts = [[5, 6, 7, 8, 9, 10] * 8 + [5, 6], [40, 41, 42] * 20, [7, 7, 8] * 12 + [7]]
     prompts += [[rng.randrange(2, 512) for _ in range(n)] for n in (3, 30, 200, 17)]
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+            "adaptive": False}
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     tokens = {}
     for emulate in (False, True):

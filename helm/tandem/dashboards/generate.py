@@ -193,6 +193,9 @@ decode = engine("decode", "tandem / decode", [
               "Tokens a request gains per step that verified drafts (1 without speculation)."),
         panel("Draft tokens per second", [(f"sum(rate(tandem:spec_decode_num_draft_tokens_total{sel('decode')}[{R}]))", "proposed"),
                                           (f"sum(rate(tandem:spec_decode_num_accepted_tokens_total{sel('decode')}[{R}]))", "accepted")], "short"),
+        panel("Decode steps by the governor's policy", [(f"sum by (policy) (rate(tandem:spec_decode_governed_steps_total{sel('decode')}[{R}]))", "{{policy}}")], "short",
+              "Adaptive speculation (the default): steps allowed to speculate against steps kept plain because "
+              "plain decoding measured faster at their batch size."),
     ]),
 ])
 

@@ -1,0 +1,217 @@
+"""Whether speculation pays, measured as the engine runs: the speculator
+proposes for a step only while proposing has given more decode tokens per
+second than not proposing, at this batch size, on this host and device.
+
+Why measure rather than rule: a verifying step computes 1 + k rows per
+request and, on a small model, does host work that does not overlap the
+device. At batch 1 prompt lookup doubles decode speed; at batch 64 the same
+setting ran 0.76-1.20x on H100s, by the host's speed, the answers' length
+and how closely they follow their prompts (docs/benchmarks.md). No fixed
+threshold such as vLLM's disable_by_batch_size is right for all of these,
+and the costs that decide it (host, device, acceptance) are all visible
+from inside the engine.
+
+The rule:
+- Steps are grouped by the number of running requests when the step was
+  decided, in powers of two (1, 2-3, 4-7, ...): a group's steps cost about
+  the same.
+- Two policies: SPECULATE (propose whenever the proposer finds drafts, as
+  without this module) and PLAIN (propose nothing, and skip the lookup too).
+  Each group has a leader, SPECULATE at first: the user asked for it.
+- Only decode steps are measured (no prompt chunk in them): their tokens
+  (a plain row one, a verified row one plus its accepted drafts) and the
+  wall time from their start to the next step's start, which counts the
+  host's work and the device's, overlapped or not, once each.
+- Now and then the other policy runs for a short burst (BURST steps). Its
+  first step is a transition (the asynchronous pipeline fills or drains)
+  and is not measured, nor is the first step back; the rest give the
+  burst's tokens per second. If that beats the leader's recent rate by more
+  than MARGIN, it leads.
+- The pause between bursts starts at FIRST_PAUSE leader steps and doubles
+  while the leader holds, up to MAX_PAUSE; a change of leader resets it. So
+  a settled group spends about BURST / MAX_PAUSE of its steps exploring,
+  and a change (another mix of requests, another acceptance) is seen within
+  a few hundred steps.
+
+Nothing here changes what is sampled: a step either verifies drafts, which
+keeps the target's distribution, or decodes plainly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class GovernorSettings:
+    burst: int = 5  # steps of the other policy per exploration, the first unmeasured
+    first_pause: int = 8  # leader steps before a group's first burst
+    max_pause: int = 256  # the pause doubles up to this while the leader holds
+    margin: float = 0.03  # the other policy leads once it is this much faster
+    # The leader's rate: each step's tokens and seconds decay by this per new
+    # step, so about the last 1 / (1 - decay) steps count.
+    decay: float = 0.9
+    # A step this many times longer than its policy's mean is not measured
+    # (a garbage-collection pause, a first compile, an idle engine).
+    outlier: float = 10.0
+
+
+SPECULATE, PLAIN = True, False
+
+
+@dataclass
+class _Rate:
+    """Tokens and seconds of recent steps, each step's weight decayed by
+    `decay` per newer step (1.0: a plain sum)."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    weight: float = 0.0  # the steps' weights summed
+    steps: int = 0
+
+    def add(self, tokens: int, seconds: float, decay: float = 1.0) -> None:
+        self.tokens = self.tokens * decay + tokens
+        self.seconds = self.seconds * decay + seconds
+        self.weight = self.weight * decay + 1.0
+        self.steps += 1
+
+    @property
+    def per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def mean_seconds(self) -> float:
+        """A step's seconds, weighted as the rate is; 0 before any step."""
+        return self.seconds / self.weight if self.weight else 0.0
+
+
+@dataclass
+class _Group:
+    leader: bool = SPECULATE
+    leader_rate: _Rate = field(default_factory=_Rate)
+    burst_rate: _Rate = field(default_factory=_Rate)
+    burst_left: int = 0  # steps of the other policy still to decide in this burst
+    back_from_burst: bool = False  # the next leader step follows a burst: a transition
+    until_burst: int = 0  # leader steps before the next burst
+    pause: int = 0
+    leads_changed: int = 0  # how often the leader changed (metrics, tests)
+
+
+@dataclass
+class _Decided:
+    """A step as decided: its group, its policy, whether it is a burst's step and which."""
+
+    group: int
+    policy: bool
+    burst_step: Optional[int]  # 0 for a burst's first (unmeasured) step; None for a leader step
+    transition: bool = False  # a leader step right after a burst: not measured
+
+
+@dataclass
+class GovernorCounts:
+    """What the governor did, for metrics and the benchmark."""
+
+    speculate_steps: int = 0  # decode steps decided to speculate
+    plain_steps: int = 0  # decode steps decided to decode plainly
+    leader_changes: int = 0
+
+
+class SpeculationGovernor:
+    def __init__(self, settings: GovernorSettings = GovernorSettings()) -> None:
+        self.settings = settings
+        self._groups: dict[int, _Group] = {}
+        self._decided: Optional[_Decided] = None  # the policy in force for the next step
+        self._ran: Optional[tuple[_Decided, int, float]] = None  # last step: decision, tokens, start
+        self.counts = GovernorCounts()
+
+    @staticmethod
+    def group_of(num_running: int) -> int:
+        """Powers of two: 1 -> 1, 2-3 -> 2, 4-7 -> 3, ..."""
+        return max(num_running, 1).bit_length()
+
+    def decide(self, num_running: int) -> bool:
+        """The policy of the next step for a batch of num_running requests:
+        True to let it propose (SPECULATE). Called once per step."""
+        s = self.settings
+        key = self.group_of(num_running)
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = _Group(until_burst=s.first_pause, pause=s.first_pause)
+        if group.burst_left > 0:
+            step = s.burst - group.burst_left
+            group.burst_left -= 1
+            group.back_from_burst = group.burst_left == 0
+            self._decided = _Decided(key, not group.leader, step)
+            return not group.leader
+        group.until_burst -= 1
+        if group.until_burst < 0:
+            group.burst_rate = _Rate()
+            group.burst_left = s.burst - 1
+            group.pause = min(group.pause * 2, s.max_pause)
+            group.until_burst = group.pause
+            self._decided = _Decided(key, not group.leader, 0)
+            return not group.leader
+        self._decided = _Decided(key, group.leader, None, transition=group.back_from_burst)
+        group.back_from_burst = False
+        return group.leader
+
+    def forget_decision(self) -> None:
+        """The next step is not one the governor decided (speculation was
+        off for it anyway): measure nothing of it."""
+        self._decided = None
+
+    def step_started(self, now: float) -> None:
+        """A step starts at `now` (time.perf_counter): the step before it, if
+        it was a measured decode step, ends here."""
+        ran, self._ran = self._ran, None
+        if ran is None:
+            return
+        decided, tokens, start = ran
+        self._measure(decided, tokens, now - start)
+
+    def step_ran(self, start: float, decode_only: bool, tokens: int) -> None:
+        """The step begun at `start` ran under the last decision: `tokens`
+        tokens for its requests; only decode-only steps are measured."""
+        decided, self._decided = self._decided, None
+        if decided is None or not decode_only or tokens <= 0:
+            return
+        if decided.policy:
+            self.counts.speculate_steps += 1
+        else:
+            self.counts.plain_steps += 1
+        self._ran = (decided, tokens, start)
+
+    def _measure(self, decided: _Decided, tokens: int, seconds: float) -> None:
+        s = self.settings
+        group = self._groups[decided.group]
+        if decided.burst_step is None:
+            rate = group.leader_rate
+            if decided.transition or decided.policy != group.leader:  # or the leader changed since
+                return
+            if rate.steps >= 3 and seconds > s.outlier * rate.mean_seconds:
+                return
+            rate.add(tokens, seconds, s.decay)
+            return
+        if decided.burst_step == 0 or decided.policy == group.leader:
+            return  # the transition into a burst; or a burst the leader's change overtook
+        burst = group.burst_rate
+        if group.leader_rate.steps >= 3 and seconds > s.outlier * group.leader_rate.mean_seconds:
+            return
+        burst.add(tokens, seconds)
+        if decided.burst_step < s.burst - 1:
+            return
+        # The burst's last step: compare.
+        if group.leader_rate.steps and burst.per_second > group.leader_rate.per_second * (1.0 + s.margin):
+            group.leader = decided.policy
+            group.leader_rate, group.burst_rate = burst, _Rate()
+            group.pause = s.first_pause
+            group.until_burst = s.first_pause
+            group.leads_changed += 1
+            self.counts.leader_changes += 1
+            # The step after the burst was decided before this (its time was not
+            # known yet) under the old leader: the next is a switch again.
+            group.back_from_burst = True
+
+    def leaders(self) -> dict[int, bool]:
+        """Each group's leader by its smallest batch (1, 2, 4, ...): True if it speculates."""
+        return {1 << (key - 1): g.leader for key, g in sorted(self._groups.items())}

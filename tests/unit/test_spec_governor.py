@@ -1,0 +1,137 @@
+"""The adaptive speculation governor (engine/spec_decode/governor.py) on step
+timings given as data: it keeps the policy that decodes faster at each
+batch size, finds out when the other one becomes faster, measures only
+decode steps, and leaves out the transition into a burst and outliers."""
+from __future__ import annotations
+
+from typing import Callable
+
+from tandem.engine.spec_decode.governor import GovernorSettings, SpeculationGovernor
+
+
+def run_steps(governor: SpeculationGovernor, steps: int, num_running: int,
+              cost: Callable[[bool], tuple[int, float]], clock: list[float],
+              decode_only: bool = True) -> list[bool]:
+    """`steps` engine steps at this batch, each decided, run and timed as the
+    engine does: cost(policy) -> (tokens emitted, seconds taken)."""
+    policies = []
+    for _ in range(steps):
+        policy = governor.decide(num_running)
+        policies.append(policy)
+        governor.step_started(clock[0])
+        tokens, seconds = cost(policy)
+        governor.step_ran(clock[0], decode_only, tokens)
+        clock[0] += seconds
+    governor.step_started(clock[0])
+    return policies
+
+
+def by_rate(speculate_per_s: float, plain_per_s: float, batch: int = 8):
+    """A workload where speculating emits 3 tokens a row and plain 1, at these rates."""
+    def cost(policy: bool) -> tuple[int, float]:
+        tokens = batch * (3 if policy else 1)
+        return tokens, tokens / (speculate_per_s if policy else plain_per_s)
+    return cost
+
+
+def test_it_keeps_speculating_where_speculation_is_faster():
+    g = SpeculationGovernor()
+    policies = run_steps(g, 600, 1, by_rate(2000.0, 1000.0, batch=1), [0.0])
+    assert g.leaders() == {1: True}
+    assert g.counts.leader_changes == 0
+    # Only the bursts explore: 5 steps after 8, then after 16, 32, ... up to 256 leader steps.
+    assert policies.count(False) == 5 * 6
+    assert policies[-100:].count(False) <= 5
+
+
+def test_it_stops_speculating_where_plain_decoding_is_faster_and_explores_less_and_less():
+    g = SpeculationGovernor()
+    policies = run_steps(g, 2000, 64, by_rate(900.0, 1000.0, batch=64), [0.0])
+    assert g.leaders() == {64: False}
+    assert g.counts.leader_changes == 1
+    assert policies[:8] == [True] * 8, "it starts with what the user asked for"
+    assert policies[8:13] == [False] * 5, "then tries the other policy for a burst"
+    assert policies[-1000:].count(True) <= 4 * 5, "a burst of 5 every 256 steps at most, once settled"
+    # A 3% margin: 10% faster wins, 2% faster does not flip a leader.
+    g2 = SpeculationGovernor()
+    run_steps(g2, 400, 64, by_rate(980.0, 1000.0, batch=64), [0.0])
+    assert g2.leaders() == {64: True}
+
+
+def test_each_batch_size_group_decides_alone():
+    g = SpeculationGovernor()
+    clock = [0.0]
+    for _ in range(20):  # interleaved, as a draining batch is not, to show the groups are separate
+        run_steps(g, 10, 1, by_rate(2000.0, 1000.0, batch=1), clock)
+        run_steps(g, 10, 40, by_rate(800.0, 1000.0, batch=40), clock)
+    assert g.leaders() == {1: True, 32: False}
+    assert SpeculationGovernor.group_of(1) != SpeculationGovernor.group_of(2)
+    assert SpeculationGovernor.group_of(32) == SpeculationGovernor.group_of(63)
+
+
+def test_a_change_of_workload_is_found_and_followed():
+    g = SpeculationGovernor()
+    clock = [0.0]
+    run_steps(g, 600, 16, by_rate(800.0, 1000.0, batch=16), clock)
+    assert g.leaders() == {16: False}
+    # Answers now quote their prompts: speculating becomes twice as fast.
+    policies = run_steps(g, 600, 16, by_rate(2000.0, 1000.0, batch=16), clock)
+    assert g.leaders() == {16: True}
+    assert policies[-100:].count(True) >= 95
+
+
+def test_only_decode_steps_are_measured():
+    """Steps with prompt chunks do not count: were they measured, the slow
+    prefill steps under one policy would make it look slower."""
+    g = SpeculationGovernor()
+    clock = [0.0]
+
+    def slow_when_speculating(policy: bool) -> tuple[int, float]:
+        return 8, (1.0 if policy else 0.01)
+
+    run_steps(g, 300, 8, slow_when_speculating, clock, decode_only=False)
+    assert g.leaders() == {8: True}
+    assert g.counts.speculate_steps == g.counts.plain_steps == 0
+
+
+def test_a_bursts_first_step_and_outliers_are_not_measured():
+    """Switching into a burst costs once (the asynchronous pipeline drains
+    or fills): that step is left out, as is a step far longer than its
+    policy's mean (a collection pause)."""
+    g = SpeculationGovernor()
+    clock = [0.0]
+    state = {"last": True}
+
+    def transition_costs(policy: bool) -> tuple[int, float]:
+        # Plain is 10% faster in steady state, but its first step after a switch costs 5x
+        # (below the outlier rule's 10x, so only the transition rule leaves it out).
+        switched = policy != state["last"]
+        state["last"] = policy
+        seconds = 0.009 if not policy else 0.010
+        return 10, seconds * (5 if switched and not policy else 1)
+
+    run_steps(g, 400, 4, transition_costs, clock)
+    assert g.leaders() == {4: False}
+
+    g = SpeculationGovernor()
+    clock = [0.0]
+    n = {"i": 0}
+
+    def one_huge_pause(policy: bool) -> tuple[int, float]:
+        n["i"] += 1
+        if policy and n["i"] == 5:
+            return 10, 5.0  # 500x a step: a pause, not the policy's cost
+        return 10, 0.010 if policy else 0.0105
+
+    run_steps(g, 400, 4, one_huge_pause, clock)
+    assert g.leaders() == {4: True}
+
+
+def test_forget_decision_measures_nothing_of_the_next_step():
+    g = SpeculationGovernor(GovernorSettings())
+    g.decide(4)
+    g.forget_decision()
+    g.step_started(0.0)
+    g.step_ran(0.0, True, 10)
+    g.step_started(1.0)
+    assert g.counts.speculate_steps == g.counts.plain_steps == 0
