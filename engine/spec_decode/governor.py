@@ -22,16 +22,22 @@ The rule:
   (a plain row one, a verified row one plus its accepted drafts) and the
   wall time from their start to the next step's start, which counts the
   host's work and the device's, overlapped or not, once each.
+- Under SPECULATE only the steps that verified drafts count. A step where
+  the proposer found none decodes as PLAIN would; counting it would make
+  SPECULATE's rate follow the share of the answer the lookup can predict,
+  which swings within one answer (a copied sentence, then a changed word),
+  so a lone request would drop speculation for its next copied stretch.
+  What is compared is whether verifying pays when drafts are there.
 - Now and then the other policy runs for a short burst (BURST steps). Its
   first step is a transition (the asynchronous pipeline fills or drains)
   and is not measured, nor is the first step back; the rest give the
   burst's tokens per second. If that beats the leader's recent rate by more
   than MARGIN, it leads.
 - The pause between bursts starts at FIRST_PAUSE leader steps and doubles
-  while the leader holds, up to MAX_PAUSE; a change of leader resets it. So
-  a settled group spends about BURST / MAX_PAUSE of its steps exploring,
-  and a change (another mix of requests, another acceptance) is seen within
-  a few hundred steps.
+  while the leader holds (quadruples when it won by more than WIDE_MARGIN),
+  up to MAX_PAUSE; a change of leader resets it. So a settled group spends
+  about BURST / MAX_PAUSE of its steps exploring, and a change (another mix
+  of requests, another acceptance) is seen within a few hundred steps.
 
 Nothing here changes what is sampled: a step either verifies drafts, which
 keeps the target's distribution, or decodes plainly.
@@ -45,9 +51,10 @@ from typing import Optional
 @dataclass(frozen=True)
 class GovernorSettings:
     burst: int = 5  # steps of the other policy per exploration, the first unmeasured
-    first_pause: int = 8  # leader steps before a group's first burst
+    first_pause: int = 16  # leader steps before a group's first burst
     max_pause: int = 256  # the pause doubles up to this while the leader holds
     margin: float = 0.03  # the other policy leads once it is this much faster
+    wide_margin: float = 0.25  # a leader this much faster than the burst quadruples the pause
     # The leader's rate: each step's tokens and seconds decay by this per new
     # step, so about the last 1 / (1 - decay) steps count.
     decay: float = 0.9
@@ -91,6 +98,7 @@ class _Group:
     leader_rate: _Rate = field(default_factory=_Rate)
     burst_rate: _Rate = field(default_factory=_Rate)
     burst_left: int = 0  # steps of the other policy still to decide in this burst
+    burst_open: bool = False  # a burst began and its result is not taken yet
     back_from_burst: bool = False  # the next leader step follows a burst: a transition
     until_burst: int = 0  # leader steps before the next burst
     pause: int = 0
@@ -121,7 +129,8 @@ class SpeculationGovernor:
         self.settings = settings
         self._groups: dict[int, _Group] = {}
         self._decided: Optional[_Decided] = None  # the policy in force for the next step
-        self._ran: Optional[tuple[_Decided, int, float]] = None  # last step: decision, tokens, start
+        # The last step: its decision, tokens, start, and whether its time counts.
+        self._ran: Optional[tuple[_Decided, int, float, bool]] = None
         self.counts = GovernorCounts()
 
     @staticmethod
@@ -145,9 +154,11 @@ class SpeculationGovernor:
             return not group.leader
         group.until_burst -= 1
         if group.until_burst < 0:
+            if group.burst_open:  # the last one's final step went unmeasured (a prompt chunk came)
+                self._burst_over(group, not group.leader)
             group.burst_rate = _Rate()
             group.burst_left = s.burst - 1
-            group.pause = min(group.pause * 2, s.max_pause)
+            group.burst_open = True
             group.until_burst = group.pause
             self._decided = _Decided(key, not group.leader, 0)
             return not group.leader
@@ -166,12 +177,13 @@ class SpeculationGovernor:
         ran, self._ran = self._ran, None
         if ran is None:
             return
-        decided, tokens, start = ran
-        self._measure(decided, tokens, now - start)
+        decided, tokens, start, counts = ran
+        self._measure(decided, tokens, now - start, counts)
 
-    def step_ran(self, start: float, decode_only: bool, tokens: int) -> None:
+    def step_ran(self, start: float, decode_only: bool, tokens: int, verified: bool) -> None:
         """The step begun at `start` ran under the last decision: `tokens`
-        tokens for its requests; only decode-only steps are measured."""
+        tokens for its requests, `verified` whether it carried drafts; only
+        decode-only steps are measured, and under SPECULATE only verifying ones."""
         decided, self._decided = self._decided, None
         if decided is None or not decode_only or tokens <= 0:
             return
@@ -179,30 +191,40 @@ class SpeculationGovernor:
             self.counts.speculate_steps += 1
         else:
             self.counts.plain_steps += 1
-        self._ran = (decided, tokens, start)
+        # A SPECULATE step without drafts decoded as PLAIN would (module
+        # docstring): its time does not count, though it may end a burst.
+        self._ran = (decided, tokens, start, verified or not decided.policy)
 
-    def _measure(self, decided: _Decided, tokens: int, seconds: float) -> None:
+    def _measure(self, decided: _Decided, tokens: int, seconds: float, counts: bool) -> None:
         s = self.settings
         group = self._groups[decided.group]
         if decided.burst_step is None:
             rate = group.leader_rate
-            if decided.transition or decided.policy != group.leader:  # or the leader changed since
+            if not counts or decided.transition or decided.policy != group.leader:  # or it changed since
                 return
             if rate.steps >= 3 and seconds > s.outlier * rate.mean_seconds:
                 return
             rate.add(tokens, seconds, s.decay)
             return
-        if decided.burst_step == 0 or decided.policy == group.leader:
+        if decided.burst_step == 0 or decided.policy == group.leader or not group.burst_open:
             return  # the transition into a burst; or a burst the leader's change overtook
-        burst = group.burst_rate
-        if group.leader_rate.steps >= 3 and seconds > s.outlier * group.leader_rate.mean_seconds:
-            return
-        burst.add(tokens, seconds)
-        if decided.burst_step < s.burst - 1:
-            return
-        # The burst's last step: compare.
-        if group.leader_rate.steps and burst.per_second > group.leader_rate.per_second * (1.0 + s.margin):
-            group.leader = decided.policy
+        leader = group.leader_rate
+        if counts and not (leader.steps >= 3 and seconds > s.outlier * leader.mean_seconds):
+            group.burst_rate.add(tokens, seconds)
+        if decided.burst_step == s.burst - 1:
+            self._burst_over(group, decided.policy)
+
+    def _burst_over(self, group: _Group, policy: bool) -> None:
+        """The burst's last step was measured: the burst's policy leads if it was faster."""
+        s, burst, leader = self.settings, group.burst_rate, group.leader_rate
+        group.burst_open = False
+        if leader.steps and burst.steps and leader.per_second > burst.per_second * (1.0 + s.wide_margin):
+            group.pause = min(group.pause * 4, s.max_pause)
+        else:
+            group.pause = min(group.pause * 2, s.max_pause)
+        group.until_burst = group.pause
+        if leader.steps and burst.steps and burst.per_second > leader.per_second * (1.0 + s.margin):
+            group.leader = policy
             group.leader_rate, group.burst_rate = burst, _Rate()
             group.pause = s.first_pause
             group.until_burst = s.first_pause

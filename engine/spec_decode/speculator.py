@@ -120,7 +120,8 @@ class Speculator:
         if self.governor is not None:
             decode_only = len(plan.sampled) == plan.num_entries and \
                 plan.num_scheduled_tokens == plan.num_logits_rows
-            self.governor.step_ran(start, decode_only, len(plan.sampled) + num_accepted)
+            self.governor.step_ran(start, decode_only, len(plan.sampled) + num_accepted,
+                                   verified=bool(plan.num_draft_tokens))
 
     def propose(self, requests: Sequence[Request]) -> None:
         """Set spec_token_ids of each running request in `requests` that speculates."""
