@@ -2,7 +2,8 @@
 decode tokens/s with and without speculative decoding, in one process, on
 an input-grounded workload: answers that quote their prompt (repeat a text,
 put each sentence on its own line, correct its typos, rename a variable in
-code), where prompt lookup and draft models have something to predict.
+code), where prompt lookup and draft models have something to predict; or,
+with --workload open, on free-form answers that quote nothing.
 
 For each batch size (default 1 and 64) and each setting (no speculation,
 then every --speculative-config given), BATCH requests run together, greedy,
@@ -102,6 +103,28 @@ def task_prompts(n: int) -> list[str]:
     return out
 
 
+# Questions whose answers quote nothing (written for this benchmark): the
+# traffic where speculation has least to predict, and may cost more than it saves.
+OPEN_QUESTIONS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain why the sky is blue to a ten-year-old.",
+    "Give me ten ideas for a birthday party for a friend who likes hiking.",
+    "What are the advantages and disadvantages of working from home?",
+    "Describe how a bicycle gear system works.",
+    "Write a poem about the first snow of winter.",
+    "How should a beginner start learning to cook?",
+    "Compare trains and planes for a trip of five hundred kilometres.",
+]
+
+
+def open_prompts(n: int) -> list[str]:
+    """n questions whose answers have no text to quote, cycling over OPEN_QUESTIONS."""
+    return [OPEN_QUESTIONS[i % len(OPEN_QUESTIONS)] for i in range(n)]
+
+
+WORKLOADS = {"grounded": task_prompts, "open": open_prompts}
+
+
 PHASES = ("schedule", "prepare", "forward", "sample", "update", "propose")
 
 
@@ -187,6 +210,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", action="append", default=None, metavar="JSON",
                    help="a setting to compare with no speculation (as the engine flag); repeat for more. "
                         f"Default: {DEFAULT_SPECS[0]}")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="grounded",
+                   help="grounded (default): answers that quote their prompt, where speculation has most to "
+                        "predict; open: free-form answers that quote nothing, where it may cost more than it "
+                        "saves")
     p.add_argument("--no-chat-template", action="store_true",
                    help="send the instructions as plain text instead of through the model's chat template")
     p.add_argument("--profile-steps", type=int, default=0, metavar="N",
@@ -196,8 +223,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(p, skip=("speculative_config", "max_num_seqs", *KV_TRANSFER_FIELDS))
 
 
-def _prompts(llm, n: int, chat: bool) -> list[list[int]]:
-    texts = task_prompts(n)
+def _prompts(llm, n: int, chat: bool, workload: str = "grounded") -> list[list[int]]:
+    texts = WORKLOADS[workload](n)
     if chat and getattr(llm.tokenizer, "chat_template", None):
         return [llm.chat_prompt([{"role": "user", "content": t}]) for t in texts]
     return [llm.encode(t) for t in texts]
@@ -337,7 +364,7 @@ def run(args: argparse.Namespace) -> int:
         for index, (name, spec) in order:
             llm = kept[index] if kept is not None else engine(index, spec)
             for batch in batch_sizes:
-                prompts = _prompts(llm, batch, not args.no_chat_template)
+                prompts = _prompts(llm, batch, not args.no_chat_template, args.workload)
                 # Every run of every round against the first run without speculation.
                 result, outputs = measure(llm, prompts, args.max_tokens, name, baselines.get(batch))
                 result.round = round_
@@ -353,7 +380,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  verifying steps: {result.verifying_steps.line()}; {result.verify_graph_replays} "
                       f"replayed a CUDA graph\n  plain steps: {result.plain_steps.line()}", file=sys.stderr)
             if args.profile_steps > 0 and round_ == 0:
-                prompts = _prompts(llm, max(batch_sizes), not args.no_chat_template)
+                prompts = _prompts(llm, max(batch_sizes), not args.no_chat_template, args.workload)
                 print(f"{name} batch {max(batch_sizes)}:\n"
                       f"{profile_decode(llm, prompts, args.max_tokens, args.profile_steps)}", file=sys.stderr)
             if kept is None:
