@@ -17,7 +17,10 @@ The rule:
   the same.
 - Two policies: SPECULATE (propose whenever the proposer finds drafts, as
   without this module) and PLAIN (propose nothing, and skip the lookup too).
-  Each group has a leader, SPECULATE at first: the user asked for it.
+  Each group has a leader: a new group takes the leader of the nearest
+  group that has measured one (costs change smoothly with the batch, and a
+  batch draining from 64 to 1 would otherwise pay to learn each size
+  afresh), and SPECULATE when there is none: the user asked for it.
 - Only decode steps are measured (no prompt chunk in them): their tokens
   (a plain row one, a verified row one plus its accepted drafts) and the
   wall time from their start to the next step's start, which counts the
@@ -145,7 +148,8 @@ class SpeculationGovernor:
         key = self.group_of(num_running)
         group = self._groups.get(key)
         if group is None:
-            group = self._groups[key] = _Group(until_burst=s.first_pause, pause=s.first_pause)
+            group = self._groups[key] = _Group(leader=self._nearest_leader(key), until_burst=s.first_pause,
+                                               pause=s.first_pause)
         if group.burst_left > 0:
             step = s.burst - group.burst_left
             group.burst_left -= 1
@@ -165,6 +169,11 @@ class SpeculationGovernor:
         self._decided = _Decided(key, group.leader, None, transition=group.back_from_burst)
         group.back_from_burst = False
         return group.leader
+
+    def _nearest_leader(self, key: int) -> bool:
+        """The leader of the nearest group that measured its leader (the larger on a tie); SPECULATE if none."""
+        known = [(abs(k - key), -k, g.leader) for k, g in self._groups.items() if g.leader_rate.steps]
+        return min(known)[2] if known else SPECULATE
 
     def forget_decision(self) -> None:
         """The next step is not one the governor decided (speculation was

@@ -71,6 +71,21 @@ def test_each_batch_size_group_decides_alone():
     assert SpeculationGovernor.group_of(32) == SpeculationGovernor.group_of(63)
 
 
+def test_a_new_batch_size_starts_with_the_nearest_measured_choice():
+    """A batch draining from 64 requests reaches sizes the governor has not
+    seen: each starts with what the nearest measured size chose, and still
+    finds out for itself where that is wrong."""
+    g = SpeculationGovernor()
+    clock = [0.0]
+    run_steps(g, 200, 64, by_rate(800.0, 1000.0, batch=64), clock)
+    assert g.leaders() == {64: False}
+    policies = run_steps(g, 10, 40, by_rate(800.0, 1000.0, batch=40), clock)
+    assert policies == [False] * 10, "32-63 took 64-127's choice"
+    run_steps(g, 300, 20, by_rate(2000.0, 1000.0, batch=20), clock)
+    assert g.leaders() == {16: True, 32: False, 64: False}, "and 16-31 learned its own"
+    assert SpeculationGovernor().decide(8) is True, "with nothing measured: speculate"
+
+
 def test_a_change_of_workload_is_found_and_followed():
     g = SpeculationGovernor()
     clock = [0.0]
