@@ -25,12 +25,16 @@ The rule:
   (a plain row one, a verified row one plus its accepted drafts) and the
   wall time from their start to the next step's start, which counts the
   host's work and the device's, overlapped or not, once each.
-- Under SPECULATE only the steps that verified drafts count. A step where
-  the proposer found none decodes as PLAIN would; counting it would make
-  SPECULATE's rate follow the share of the answer the lookup can predict,
-  which swings within one answer (a copied sentence, then a changed word),
-  so a lone request would drop speculation for its next copied stretch.
-  What is compared is whether verifying pays when drafts are there.
+- Under SPECULATE a step where the proposer found no drafts decodes what
+  PLAIN would, at PLAIN's cost plus the lookup's and the pipeline's: it is
+  charged only that overhead (its time less what its tokens take at
+  PLAIN's measured rate, never below zero), not its tokens. Otherwise
+  SPECULATE's rate would follow the share of the answer the lookup can
+  predict, which swings within one answer (a copied sentence, then a
+  changed word), and a lone request would drop speculation just before its
+  next copied stretch. So SPECULATE's rate is the verifying steps' tokens
+  over their time plus the overhead of the others: SPECULATE beats PLAIN at
+  that rate exactly when it decodes the same tokens in less time.
 - Now and then the other policy runs for a short burst (BURST steps). Its
   first step is a transition (the asynchronous pipeline fills or drains)
   and is not measured, nor is the first step back; the rest give the
@@ -99,6 +103,9 @@ class _Rate:
 class _Group:
     leader: bool = SPECULATE
     leader_rate: _Rate = field(default_factory=_Rate)
+    plain_per_second: float = 0.0  # PLAIN's last measured rate (0: not yet): what overhead is charged against
+    # Each policy's raw step time, for the outlier rule.
+    step_seconds: dict = field(default_factory=lambda: {SPECULATE: _Rate(), PLAIN: _Rate()})
     burst_rate: _Rate = field(default_factory=_Rate)
     burst_left: int = 0  # steps of the other policy still to decide in this burst
     burst_open: bool = False  # a burst began and its result is not taken yet
@@ -132,7 +139,7 @@ class SpeculationGovernor:
         self.settings = settings
         self._groups: dict[int, _Group] = {}
         self._decided: Optional[_Decided] = None  # the policy in force for the next step
-        # The last step: its decision, tokens, start, and whether its time counts.
+        # The last step: its decision, tokens, start, and whether it verified drafts.
         self._ran: Optional[tuple[_Decided, int, float, bool]] = None
         self.counts = GovernorCounts()
 
@@ -186,8 +193,8 @@ class SpeculationGovernor:
         ran, self._ran = self._ran, None
         if ran is None:
             return
-        decided, tokens, start, counts = ran
-        self._measure(decided, tokens, now - start, counts)
+        decided, tokens, start, verified = ran
+        self._measure(decided, tokens, now - start, verified)
 
     def step_ran(self, start: float, decode_only: bool, tokens: int, verified: bool) -> None:
         """The step begun at `start` ran under the last decision: `tokens`
@@ -200,33 +207,48 @@ class SpeculationGovernor:
             self.counts.speculate_steps += 1
         else:
             self.counts.plain_steps += 1
-        # A SPECULATE step without drafts decoded as PLAIN would (module
-        # docstring): its time does not count, though it may end a burst.
-        self._ran = (decided, tokens, start, verified or not decided.policy)
+        self._ran = (decided, tokens, start, verified)
 
-    def _measure(self, decided: _Decided, tokens: int, seconds: float, counts: bool) -> None:
+    def _measure(self, decided: _Decided, tokens: int, seconds: float, verified: bool) -> None:
         s = self.settings
         group = self._groups[decided.group]
+        steps = group.step_seconds[decided.policy]
+        if steps.steps >= 3 and seconds > s.outlier * steps.mean_seconds:
+            return  # a pause, not the policy's cost
+        steps.add(1, seconds, s.decay)
         if decided.burst_step is None:
-            rate = group.leader_rate
-            if not counts or decided.transition or decided.policy != group.leader:  # or it changed since
+            if decided.transition or decided.policy != group.leader:  # or the leader changed since
                 return
-            if rate.steps >= 3 and seconds > s.outlier * rate.mean_seconds:
-                return
-            rate.add(tokens, seconds, s.decay)
+            if self._add(group, group.leader_rate, decided.policy, tokens, seconds, verified, s.decay) \
+                    and decided.policy == PLAIN:
+                group.plain_per_second = group.leader_rate.per_second
             return
         if decided.burst_step == 0 or decided.policy == group.leader or not group.burst_open:
             return  # the transition into a burst; or a burst the leader's change overtook
-        leader = group.leader_rate
-        if counts and not (leader.steps >= 3 and seconds > s.outlier * leader.mean_seconds):
-            group.burst_rate.add(tokens, seconds)
+        self._add(group, group.burst_rate, decided.policy, tokens, seconds, verified, 1.0)
         if decided.burst_step == s.burst - 1:
             self._burst_over(group, decided.policy)
+
+    @staticmethod
+    def _add(group: _Group, rate: _Rate, policy: bool, tokens: int, seconds: float, verified: bool,
+             decay: float) -> bool:
+        """A measured step into `rate`: PLAIN's and verifying steps whole, a
+        SPECULATE step without drafts as its overhead over PLAIN (module
+        docstring), or nothing while PLAIN's rate is unknown. Whether it counted."""
+        if policy == PLAIN or verified:
+            rate.add(tokens, seconds, decay)
+            return True
+        if group.plain_per_second <= 0:
+            return False
+        rate.add(0, max(seconds - tokens / group.plain_per_second, 0.0), decay)
+        return True
 
     def _burst_over(self, group: _Group, policy: bool) -> None:
         """The burst's last step was measured: the burst's policy leads if it was faster."""
         s, burst, leader = self.settings, group.burst_rate, group.leader_rate
         group.burst_open = False
+        if policy == PLAIN and burst.steps:
+            group.plain_per_second = burst.per_second
         if leader.steps and burst.steps and leader.per_second > burst.per_second * (1.0 + s.wide_margin):
             group.pause = min(group.pause * 4, s.max_pause)
         else:

@@ -97,26 +97,33 @@ def test_a_change_of_workload_is_found_and_followed():
     assert policies[-100:].count(True) >= 95
 
 
-def test_speculating_steps_that_found_no_drafts_do_not_count_against_speculation():
-    """One request whose answer alternates between copied stretches (drafts
-    found and accepted: verifying pays twice over) and changed words (no
-    drafts: slow steps, here slower than plain ones). Whether verifying pays
-    is what is compared; counted with the stretches, speculation would look
-    slower than plain decoding and be dropped before the next copy."""
-    g = SpeculationGovernor()
+def alternating(verify: tuple[int, float], no_drafts: tuple[int, float], every: int):
+    """Speculation that finds drafts at one step in `every` (verify: tokens,
+    seconds), and none at the others (no_drafts: tokens, seconds); plain
+    decoding 1 token a millisecond."""
     n = {"i": 0}
 
-    def copy_then_change(policy: bool):
-        n["i"] += 1
+    def cost(policy: bool):
         if not policy:
-            return 1, 1 / 1000.0
-        if n["i"] % 2:
-            return 3, 3 / 2000.0, True
-        return 1, 1 / 300.0, False
+            return 1, 1e-3
+        n["i"] += 1
+        return (*verify, True) if n["i"] % every == 0 else (*no_drafts, False)
+    return cost
 
-    policies = run_steps(g, 400, 1, copy_then_change, [0.0])
-    assert g.leaders() == {1: True}
-    assert policies.count(True) > 380
+
+def test_steps_without_drafts_are_charged_their_overhead_not_their_tokens():
+    """One request whose answer has a copied stretch now and then (a verifying
+    step: 5 tokens in 2 ms, 2.5x plain's rate) and changed words between
+    (steps without drafts). Those steps decode what plain decoding would;
+    what speculation costs there is only the lookup's overhead. Small, and
+    one verifying step in five repays it: speculation stays. Large (2 ms
+    more a token), it does not: plain decoding leads."""
+    g = SpeculationGovernor()
+    policies = run_steps(g, 400, 1, alternating((5, 2e-3), (1, 1.1e-3), every=5), [0.0])
+    assert g.leaders() == {1: True} and policies.count(True) > 380
+    g = SpeculationGovernor()
+    run_steps(g, 400, 1, alternating((5, 2e-3), (1, 3e-3), every=5), [0.0])
+    assert g.leaders() == {1: False}
 
 
 def test_only_decode_steps_are_measured():
