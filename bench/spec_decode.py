@@ -15,7 +15,9 @@ taken against that round's run without speculation. With several rounds
 every setting's engine is built first and kept for the whole run (each
 takes its share of --gpu-memory-utilization). Decode tokens/s counts the tokens after each
 request's first over the time from the moment every request has its first
-token to the last one's end, so prefill time is left out; the acceptance
+token to the last one's end, so prefill time is left out (with --steady:
+output tokens/s while BATCH requests run, finished ones replaced, see
+measure_steady); the acceptance
 rate and the tokens per verifying step come from the engine's counters.
 Where a decode step's time goes is printed per kind of step (verifying,
 plain): the engine's own phase timers (engine/llm_engine.py StepTimes; on a
@@ -214,6 +216,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="grounded (default): answers that quote their prompt, where speculation has most to "
                         "predict; open: free-form answers that quote nothing, where it may cost more than it "
                         "saves")
+    p.add_argument("--steady", action="store_true",
+                   help="keep BATCH requests running, a finished one replaced by the next prompt "
+                        f"({STEADY_WAVES} x BATCH in all), and count output tokens/s only while the batch is full "
+                        "(a server's view); default: BATCH requests start together and the time runs until the "
+                        "last one ends")
     p.add_argument("--no-chat-template", action="store_true",
                    help="send the instructions as plain text instead of through the model's chat template")
     p.add_argument("--profile-steps", type=int, default=0, metavar="N",
@@ -272,6 +279,71 @@ def measure(llm, prompts: list[list[int]], max_tokens: int, setting: str,
         after.spec_decode_num_emitted_tokens - before.spec_decode_num_emitted_tokens,
         None if baseline is None else outputs == baseline, verifying, plain,
         (graphs.replays - replays_before) if graphs is not None else 0,
+        governed_speculate_steps=after.spec_decode_governed_speculate_steps
+        - before.spec_decode_governed_speculate_steps,
+        governed_plain_steps=after.spec_decode_governed_plain_steps - before.spec_decode_governed_plain_steps)
+    governor = engine.speculator.governor if engine.speculator is not None else None
+    if governor is not None:
+        result.governor_leaders = governor.leaders()
+    return result, outputs
+
+
+STEADY_WAVES = 4  # --steady: BATCH x this many requests in all
+
+
+def measure_steady(llm, prompts: list[list[int]], batch: int, max_tokens: int, setting: str,
+                   baseline: Optional[list[list[int]]]) -> tuple[SpecResult, list[list[int]]]:
+    """A server's view: `batch` requests run at once, each finished one
+    replaced by the next of `prompts` (STEADY_WAVES x batch of them), and
+    the output tokens per second are counted only while the batch is full:
+    from the moment the first `batch` have their first token to the moment
+    the last prompt is admitted. The tail of a closed batch, where a few
+    slow requests run alone, does not count, nor does their order."""
+    from tandem.engine import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    before = engine.stats()
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    verifying, plain = StepBreakdown(), StepBreakdown()
+    _sync(engine)
+    start = time.perf_counter()
+    for i in range(batch):
+        engine.add_request(str(i), prompts[i], params)
+    admitted, window_start, window_end, counted = batch, None, None, 0
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        outs = engine.step()
+        if window_start is not None and window_end is None:
+            times = engine.step_times
+            (verifying if times.draft_tokens else plain).add(time.perf_counter() - t0, times)
+        for out in outs:
+            if out.error is not None:
+                raise out.error
+            tokens[out.request_id] += out.new_token_ids
+            if window_start is not None and window_end is None:
+                counted += len(out.new_token_ids)
+            if out.finished and admitted < len(prompts):
+                engine.add_request(str(admitted), prompts[admitted], params)
+                admitted += 1
+        if window_start is None and all(tokens[str(i)] for i in range(batch)):
+            _sync(engine)
+            window_start = time.perf_counter()
+        if window_end is None and window_start is not None and admitted == len(prompts):
+            _sync(engine)
+            window_end = time.perf_counter()
+    _sync(engine)
+    end = time.perf_counter()
+    after = engine.stats()
+    outputs = list(tokens.values())
+    window_end = window_end or end
+    result = SpecResult(
+        setting, batch, sum(map(len, outputs)), counted, end - start, window_end - (window_start or window_end),
+        after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
+        after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens,
+        after.spec_decode_num_drafts - before.spec_decode_num_drafts,
+        after.spec_decode_num_emitted_tokens - before.spec_decode_num_emitted_tokens,
+        None if baseline is None else outputs == baseline, verifying, plain,
         governed_speculate_steps=after.spec_decode_governed_speculate_steps
         - before.spec_decode_governed_speculate_steps,
         governed_plain_steps=after.spec_decode_governed_plain_steps - before.spec_decode_governed_plain_steps)
@@ -364,9 +436,14 @@ def run(args: argparse.Namespace) -> int:
         for index, (name, spec) in order:
             llm = kept[index] if kept is not None else engine(index, spec)
             for batch in batch_sizes:
-                prompts = _prompts(llm, batch, not args.no_chat_template, args.workload)
                 # Every run of every round against the first run without speculation.
-                result, outputs = measure(llm, prompts, args.max_tokens, name, baselines.get(batch))
+                if args.steady:
+                    prompts = _prompts(llm, STEADY_WAVES * batch, not args.no_chat_template, args.workload)
+                    result, outputs = measure_steady(llm, prompts, batch, args.max_tokens, name,
+                                                     baselines.get(batch))
+                else:
+                    prompts = _prompts(llm, batch, not args.no_chat_template, args.workload)
+                    result, outputs = measure(llm, prompts, args.max_tokens, name, baselines.get(batch))
                 result.round = round_
                 if spec is None and batch not in baselines:
                     baselines[batch] = outputs
