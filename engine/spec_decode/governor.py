@@ -198,8 +198,9 @@ class SpeculationGovernor:
 
     def step_ran(self, start: float, decode_only: bool, tokens: int, verified: bool) -> None:
         """The step begun at `start` ran under the last decision: `tokens`
-        tokens for its requests, `verified` whether it carried drafts; only
-        decode-only steps are measured, and under SPECULATE only verifying ones."""
+        tokens for its requests, `verified` whether it carried drafts. Only
+        decode-only steps are measured (a SPECULATE step without drafts as
+        its overhead, _add); its time is known when the next one starts."""
         decided, self._decided = self._decided, None
         if decided is None or not decode_only or tokens <= 0:
             return

@@ -173,6 +173,23 @@ def test_a_bursts_first_step_and_outliers_are_not_measured():
     assert g.leaders() == {4: True}
 
 
+def test_a_burst_whose_last_step_went_unmeasured_still_counts():
+    """A prompt chunk in a burst's last step leaves it unmeasured; the burst's
+    other steps are taken when the next burst begins, so a group whose
+    bursts always end so still finds the faster policy."""
+    g = SpeculationGovernor()
+    clock = [0.0]
+    for _ in range(400):
+        policy = g.decide(8)
+        g.step_started(clock[0])
+        group = g._groups[SpeculationGovernor.group_of(8)]
+        last_of_burst = group.burst_open and group.burst_left == 0 and policy != group.leader
+        tokens = 8 * (3 if policy else 1)
+        g.step_ran(clock[0], not last_of_burst, tokens, policy)
+        clock[0] += tokens / (800.0 if policy else 1000.0)
+    assert g.leaders() == {8: False}
+
+
 def test_forget_decision_measures_nothing_of_the_next_step():
     g = SpeculationGovernor(GovernorSettings())
     g.decide(4)
