@@ -254,38 +254,55 @@ def measure(llm, prompts: list[list[int]], max_tokens: int, setting: str,
     graphs = engine.runner.verify_graphs
     replays_before = graphs.replays if graphs is not None else 0
     while engine.has_unfinished():
-        t0 = time.perf_counter()
-        outs = engine.step()
-        if all_started is not None:
-            times = engine.step_times
-            (verifying if times.draft_tokens else plain).add(time.perf_counter() - t0, times)
-        for out in outs:
-            if out.error is not None:
-                raise out.error
+        for out in _step(engine, all_started is not None, verifying, plain):
             tokens[out.request_id] += out.new_token_ids
         if all_started is None and all(tokens.values()):
             _sync(engine)
             all_started = time.perf_counter()
     _sync(engine)
     end = time.perf_counter()
-    after = engine.stats()
     outputs = list(tokens.values())
     produced = sum(map(len, outputs))
+    result = _result(engine, before, setting, len(prompts), produced, produced - len(prompts), end - start,
+                     end - (all_started or end), None if baseline is None else outputs == baseline,
+                     verifying, plain, replays_before)
+    return result, outputs
+
+
+def _step(engine, timed: bool, verifying: StepBreakdown, plain: StepBreakdown) -> list:
+    """One engine step, its wall time and phases added to its kind's breakdown
+    if `timed`; its outputs (a failed request fails the run)."""
+    t0 = time.perf_counter()
+    outs = engine.step()
+    if timed:
+        times = engine.step_times
+        (verifying if times.draft_tokens else plain).add(time.perf_counter() - t0, times)
+    for out in outs:
+        if out.error is not None:
+            raise out.error
+    return outs
+
+
+def _result(engine, before, setting: str, batch: int, produced: int, decode_tokens: int, seconds: float,
+            decode_seconds: float, same: Optional[bool], verifying: StepBreakdown, plain: StepBreakdown,
+            replays_before: int) -> SpecResult:
+    """A run's SpecResult: the engine's counters since `before` (its stats at the run's start)."""
+    after = engine.stats()
+    graphs = engine.runner.verify_graphs
     result = SpecResult(
-        setting, len(prompts), produced, produced - len(prompts), end - start, end - (all_started or end),
+        setting, batch, produced, decode_tokens, seconds, decode_seconds,
         after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
         after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens,
         after.spec_decode_num_drafts - before.spec_decode_num_drafts,
         after.spec_decode_num_emitted_tokens - before.spec_decode_num_emitted_tokens,
-        None if baseline is None else outputs == baseline, verifying, plain,
-        (graphs.replays - replays_before) if graphs is not None else 0,
+        same, verifying, plain, (graphs.replays - replays_before) if graphs is not None else 0,
         governed_speculate_steps=after.spec_decode_governed_speculate_steps
         - before.spec_decode_governed_speculate_steps,
         governed_plain_steps=after.spec_decode_governed_plain_steps - before.spec_decode_governed_plain_steps)
     governor = engine.speculator.governor if engine.speculator is not None else None
     if governor is not None:
         result.governor_leaders = governor.leaders()
-    return result, outputs
+    return result
 
 
 STEADY_WAVES = 4  # --steady: BATCH x this many requests in all
@@ -306,20 +323,15 @@ def measure_steady(llm, prompts: list[list[int]], batch: int, max_tokens: int, s
     before = engine.stats()
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     verifying, plain = StepBreakdown(), StepBreakdown()
+    graphs = engine.runner.verify_graphs
+    replays_before = graphs.replays if graphs is not None else 0
     _sync(engine)
     start = time.perf_counter()
     for i in range(batch):
         engine.add_request(str(i), prompts[i], params)
     admitted, window_start, window_end, counted = batch, None, None, 0
     while engine.has_unfinished():
-        t0 = time.perf_counter()
-        outs = engine.step()
-        if window_start is not None and window_end is None:
-            times = engine.step_times
-            (verifying if times.draft_tokens else plain).add(time.perf_counter() - t0, times)
-        for out in outs:
-            if out.error is not None:
-                raise out.error
+        for out in _step(engine, window_start is not None and window_end is None, verifying, plain):
             tokens[out.request_id] += out.new_token_ids
             if window_start is not None and window_end is None:
                 counted += len(out.new_token_ids)
@@ -334,22 +346,11 @@ def measure_steady(llm, prompts: list[list[int]], batch: int, max_tokens: int, s
             window_end = time.perf_counter()
     _sync(engine)
     end = time.perf_counter()
-    after = engine.stats()
     outputs = list(tokens.values())
     window_end = window_end or end
-    result = SpecResult(
-        setting, batch, sum(map(len, outputs)), counted, end - start, window_end - (window_start or window_end),
-        after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
-        after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens,
-        after.spec_decode_num_drafts - before.spec_decode_num_drafts,
-        after.spec_decode_num_emitted_tokens - before.spec_decode_num_emitted_tokens,
-        None if baseline is None else outputs == baseline, verifying, plain,
-        governed_speculate_steps=after.spec_decode_governed_speculate_steps
-        - before.spec_decode_governed_speculate_steps,
-        governed_plain_steps=after.spec_decode_governed_plain_steps - before.spec_decode_governed_plain_steps)
-    governor = engine.speculator.governor if engine.speculator is not None else None
-    if governor is not None:
-        result.governor_leaders = governor.leaders()
+    result = _result(engine, before, setting, batch, sum(map(len, outputs)), counted, end - start,
+                     window_end - (window_start or window_end), None if baseline is None else outputs == baseline,
+                     verifying, plain, replays_before)
     return result, outputs
 
 
