@@ -83,8 +83,10 @@ def test_a_4mb_prompt_being_tokenized_does_not_stall_another_stream(tandem_stack
     # tokenizing on the event loop stalled this stream 2.5-3 s, in a thread
     # 340-520 ms, in a worker process 60-110 ms (services/router/prompts.py),
     # and once 200 ms in a whole `make test` run on the dev machine
-    # (2026-11-26, the prompt taking 15.3 s: the host busier than usual).
-    assert max(gaps) < 0.250, (f"a gap of {max(gaps) * 1000:.0f} ms while the 4 MB prompt was "
+    # (2026-11-26, the prompt taking 15.3 s: the host busier than usual),
+    # once 254 ms (2026-12-02, 16.5 s; the other gaps of that run 80-155 ms).
+    # 300 ms still fails the thread design's 340 ms and more.
+    assert max(gaps) < 0.300, (f"a gap of {max(gaps) * 1000:.0f} ms while the 4 MB prompt was "
                                f"tokenized ({window['end'] - window['start']:.1f} s)")
 
 
