@@ -476,14 +476,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def speedup(r: SpecResult, results: list[SpecResult]) -> Optional[float]:
+    """r's decode tok/s over its round's run without speculation at its batch; None without one."""
+    for base in results:
+        if base.setting == "none" and (base.round, base.batch_size) == (r.round, r.batch_size):
+            return r.decode_tokens_per_s / base.decode_tokens_per_s if base.decode_tokens_per_s else None
+    return None
+
+
 def speedups(results: list[SpecResult]) -> dict[tuple[str, int], list[float]]:
-    """Per (setting, batch): each round's decode tok/s over that round's run without speculation."""
-    base = {(r.round, r.batch_size): r.decode_tokens_per_s for r in results if r.setting == "none"}
+    """Per (setting, batch): each round's speedup(), in the rounds' order."""
     out: dict[tuple[str, int], list[float]] = {}
     for r in results:
-        b = base.get((r.round, r.batch_size))
-        if b:
-            out.setdefault((r.setting, r.batch_size), []).append(r.decode_tokens_per_s / b)
+        up = speedup(r, results)
+        if up is not None:
+            out.setdefault((r.setting, r.batch_size), []).append(up)
     return out
 
 
@@ -491,12 +498,8 @@ def format_table(results: list[SpecResult]) -> str:
     """Each run, then (with several rounds) each setting's median and range of speed-ups."""
     lines = [f"{'setting':<10}{'round':>6}{'batch':>6}{'decode tok/s':>14}{'speedup':>9}{'accept':>8}"
              f"{'tok/step':>9}{'spec':>6}{'same':>6}"]
-    ups = speedups(results)
-    index: dict[tuple[str, int], int] = {}
     for r in results:
-        key = (r.setting, r.batch_size)
-        up = ups.get(key, [])[index.get(key, 0)] if ups.get(key) else 0.0
-        index[key] = index.get(key, 0) + 1
+        up = speedup(r, results) or 0.0
         same = "-" if r.same_as_baseline is None else ("yes" if r.same_as_baseline else "NO")
         share = "-" if r.speculating_share is None else f"{r.speculating_share:.0%}"
         lines.append(f"{r.setting[:8]:<10}{r.round:>6}{r.batch_size:>6}{r.decode_tokens_per_s:>14.1f}{up:>8.2f}x"
@@ -505,7 +508,7 @@ def format_table(results: list[SpecResult]) -> str:
     if len(rounds) > 1:
         lines.append("")
         lines.append(f"{'setting':<10}{'batch':>6}{'median speedup':>16}{'min':>8}{'max':>8}  over {len(rounds)} rounds")
-        for (setting, batch), values in ups.items():
+        for (setting, batch), values in speedups(results).items():
             if setting == "none":
                 continue
             lines.append(f"{setting[:8]:<10}{batch:>6}{statistics.median(values):>15.2f}x{min(values):>7.2f}x"
