@@ -154,7 +154,8 @@ class PiecewiseGraphs:
             if before_layer is not None:
                 before_layer(i)
             pieces[i].replay()
-            self.attended[:n].copy_(layer.self_attn.attend(q, k, v, self.kv_caches[i], meta))
+            # q/k/v are the hand-over's copies, made after the piece's KV write.
+            self.attended[:n].copy_(layer.self_attn.attend(q, k, v, self.kv_caches[i], meta, settled=False))
             if after_layer is not None:
                 after_layer(i)
         pieces[-1].replay()
