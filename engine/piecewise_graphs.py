@@ -154,8 +154,7 @@ class PiecewiseGraphs:
             if before_layer is not None:
                 before_layer(i)
             pieces[i].replay()
-            # q/k/v are the hand-over's copies, made after the piece's KV write.
-            self.attended[:n].copy_(layer.self_attn.attend(q, k, v, self.kv_caches[i], meta, settled=False))
+            self.attended[:n].copy_(layer.self_attn.attend(q, k, v, self.kv_caches[i], meta))
             if after_layer is not None:
                 after_layer(i)
         pieces[-1].replay()

@@ -178,20 +178,15 @@ def decode_variants(num_heads: int, num_kv_heads: int, head_dim: int, max_model_
 
 def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                            scale: float, config: AttentionConfig | None = None,
-                           new_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                           settled: bool = True) -> torch.Tensor:
+                           new_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """Attention of query [num_tokens, num_heads, head_dim] over the paged cache.
 
     The new tokens' K/V must already be in the cache (write_kv first).
     kv_cache is [2, num_blocks, block_size, num_kv_heads, head_dim] and dense.
     new_kv: optionally the same K/V rows [num_tokens, num_kv_heads, head_dim]
-    that write_kv wrote, computed before it (the rotary kernel's keys, the
-    projection's values). Prompt launches read their own tokens' tiles from
+    that write_kv wrote. Prompt launches read their own tokens' tiles from
     them through tensor descriptors where the GPU has TMA (tma_rows_usable),
-    instead of gathering every tile through the block table; decode launches
-    read the newest token's from them, and the query, before their PDL wait,
-    unless `settled` is false: some launch after write_kv wrote query or the
-    rows (the piecewise graphs' hand-over copies).
+    instead of gathering every tile through the block table.
     """
     cfg = config or DEFAULT_CONFIG
     num_tokens, num_heads, head_dim = query.shape
@@ -200,8 +195,7 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, meta: At
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
                          f"{num_kv_heads}; check the model config")
-    copied = query.stride(2) != 1
-    if copied:
+    if query.stride(2) != 1:
         query = query.contiguous()
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0:
@@ -211,17 +205,11 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, meta: At
         # One query row per sequence: row i belongs to sequence i.
         d = decode_tiles(cfg.decode, key_cache.dtype)
         grid = decode_grid(meta.num_seqs, num_kv_heads, meta.max_seq_len, _num_sms(query.device), d)
-        # The newest tokens' rows let the kernel start before the KV write ends
-        # (decode_attention); a query copied just now is one launch back, too
-        # close for that, and over an FP8 cache the rows are not what it holds.
-        early = (None if copied or not settled or new_kv is None
-                 or any(r.dtype != key_cache.dtype for r in new_kv) else new_kv)
         return decode_attention(query, key_cache, value_cache, meta.block_tables,
                                 meta.seq_lens, meta.max_seq_len, scale, out,
                                 partition_size=grid.partition_size, block_n=d.block_n,
                                 num_warps=grid.num_warps, num_stages=grid.num_stages,
-                                reduce_chunk=d.reduce_chunk, fused_max_splits=d.fused_max_splits,
-                                new_kv=early)
+                                reduce_chunk=d.reduce_chunk, fused_max_splits=d.fused_max_splits)
     # Chosen from host ints only (a captured graph replays the same choice).
     if num_tokens * (num_heads // num_kv_heads) >= cfg.long_prefill.block_m * meta.num_seqs:
         # Over an FP8 cache the new tokens' tiles come from the cache too: the prompt

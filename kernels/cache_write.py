@@ -26,10 +26,9 @@ def _write_kv_kernel(
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, FP8: tl.constexpr,
     SCALED: tl.constexpr, PDL: tl.constexpr,
 ):
-    token = tl.program_id(0)
-    # The slot before the wait: the host copies the slot mapping before the step.
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     pdl_prologue(PDL)
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
         return
     heads = tl.arange(0, HEADS_PAD)[:, None]

@@ -92,17 +92,12 @@ def pdl_launch(t: torch.Tensor) -> dict[str, bool]:
 @triton.jit
 def pdl_prologue(PDL: tl.constexpr):
     """Called by a kernel launched with launch_pdl=PDL before it reads what
-    the kernel before it wrote or writes anything: wait until that kernel has
-    finished and its writes are visible, then let the kernel after it be
+    an earlier kernel wrote or writes anything (as its first statement, or
+    after loads of memory no kernel of the step writes, such as the GEMV's
+    weights): wait until the kernel before it has finished and its writes
+    are visible, then let the kernel after it be
     launched, so that its programs are resident and waiting when this one
-    ends. Without PDL both are no-ops and are left out.
-
-    Before it a kernel may read memory no kernel of the step writes (the
-    GEMV's weights), what the host copied before the step (slot mappings,
-    lengths, block tables) and what kernels two or more launches back wrote:
-    since every kernel lets the next start only after its own wait, a kernel
-    that has started knows the one two back has finished. The kernels that
-    do list those pointers in tests/unit/test_pdl.py."""
+    ends. Without PDL both are no-ops and are left out."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

@@ -37,7 +37,6 @@ is a host-side int.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import triton
@@ -83,10 +82,10 @@ _VARYING_REDUCE_ARGS = ["stride_pl_seq", "stride_pl_head", "num_splits"]
 
 @triton.jit(do_not_specialize=_VARYING_PARTITION_ARGS)
 def _decode_partition_kernel(
-    q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, new_key_ptr, new_value_ptr,
+    q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr, counters_ptr,
     scale_log2,
-    stride_q_tok, stride_q_head, stride_nk_tok, stride_nk_head, stride_nv_tok, stride_nv_head,
+    stride_q_tok, stride_q_head,
     stride_cache_block, stride_cache_slot, stride_cache_head,
     stride_bt_seq,
     stride_o_tok, stride_o_head,
@@ -96,18 +95,9 @@ def _decode_partition_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, FP16_PRODUCTS: tl.constexpr,
-    EARLY: tl.constexpr, PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, FP16_PRODUCTS: tl.constexpr, PDL: tl.constexpr,
 ):
-    # Before the wait (pdl_prologue) this reads only what the host or kernels
-    # two or more launches back wrote, which a dependent launch never overlaps
-    # (each kernel lets the next start only after its own wait): the lengths
-    # and block tables (host copies before the step), and with EARLY the query
-    # (the rotary kernel's output, before the KV write), the context's older
-    # K/V and the newest token's K/V from the rows write_kv copies into the
-    # cache (new_key/new_value), so the attention overlaps the KV write
-    # instead of following it. Without EARLY every K/V comes from the cache,
-    # after the wait.
+    pdl_prologue(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -117,44 +107,16 @@ def _decode_partition_kernel(
     # every split to work on a short one.
     partition_size = tl.maximum(tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N), 1) * BLOCK_N
     start = split * partition_size
-    end = tl.minimum(start + partition_size, seq_len)
     rows = tl.arange(0, GROUP_PAD)  # query heads of this KV head, padded for tl.dot
     row_mask = rows < GROUP
     heads = kv_head * GROUP + rows
     dims = tl.arange(0, HEAD_DIM)
-    q_rows = q_ptr + seq.to(tl.int64) * stride_q_tok + heads[:, None] * stride_q_head + dims[None, :]
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    head_off = kv_head * stride_cache_head
-    if EARLY:
-        q = tl.load(q_rows, mask=row_mask[:, None], other=0.0)
-        # The cache's tiles up to the newest token, then the newest from its row.
-        acc, m_i, l_i = _attend_tiles(q, key_cache_ptr, value_cache_ptr, bt_row, head_off, start,
-                                      tl.minimum(end, seq_len - 1), dims, scale_log2,
-                                      stride_cache_block, stride_cache_slot, GROUP_PAD, HEAD_DIM,
-                                      BLOCK_SIZE, BLOCK_N, DOT_PRECISION, DOT_UPCAST)
-        newest = seq.to(tl.int64)
-        k_new = tl.load(new_key_ptr + newest * stride_nk_tok + kv_head * stride_nk_head + dims).to(tl.float32)
-        v_new = tl.load(new_value_ptr + newest * stride_nv_tok + kv_head * stride_nv_head + dims).to(tl.float32)
-        # Only the partition that ends the context holds the newest token;
-        # elsewhere its score is -inf and it weighs nothing.
-        s_new = tl.sum(q.to(tl.float32) * k_new[None, :], axis=1) * scale_log2
-        s_new = tl.where((end == seq_len) & (start < seq_len), s_new, float("-inf"))
-        m_new = tl.maximum(m_i, s_new)
-        alpha = tl.exp2(m_i - m_new)
-        p_new = tl.exp2(s_new - m_new)
-        l_i = l_i * alpha + p_new
-        acc = acc * alpha[:, None] + p_new[:, None] * v_new[None, :]
-        m_i = m_new
-    pdl_prologue(PDL)
     o_rows = out_ptr + seq.to(tl.int64) * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :]
-    tl.static_assert(not (EARLY and FP16_PRODUCTS), "an FP8 cache's newest rows are not its new_kv rows")
-    if not EARLY:
-        q = tl.load(q_rows, mask=row_mask[:, None], other=0.0)
-        if FP16_PRODUCTS:  # an FP8 cache (common_triton.fp16_products)
-            q = q.to(tl.float16)
-        acc, m_i, l_i = _attend_tiles(q, key_cache_ptr, value_cache_ptr, bt_row, head_off, start, end, dims,
-                                      scale_log2, stride_cache_block, stride_cache_slot, GROUP_PAD,
-                                      HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, DOT_UPCAST)
+    # Issued before the length is known: the two loads travel together.
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_q_tok + heads[:, None] * stride_q_head
+                + dims[None, :], mask=row_mask[:, None], other=0.0)
+    if FP16_PRODUCTS:  # an FP8 cache (common_triton.fp16_products)
+        q = q.to(tl.float16)
     if start >= seq_len:
         zero = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
         if SINGLE_SPLIT or FUSED_REDUCE:
@@ -170,6 +132,31 @@ def _decode_partition_kernel(
                            stride_po_seq, stride_po_head, stride_po_split,
                            stride_pl_seq, stride_pl_head)
         return
+    end = tl.minimum(start + partition_size, seq_len)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    head_off = kv_head * stride_cache_head
+    # Every tile holds at least one token < seq_len, so m_i is finite after the first.
+    for tile in range(start, end, BLOCK_N):
+        toks = tile + tl.arange(0, BLOCK_N)
+        tok_mask = toks < end
+        block = tl.load(bt_row + toks // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
+        offs = (block * stride_cache_block + (toks % BLOCK_SIZE) * stride_cache_slot
+                + head_off)[:, None] + dims[None, :]
+        # An FP8 cache's values widen (exactly) to the products' dtype, q's.
+        k = tl.load(key_cache_ptr + offs, mask=tok_mask[:, None], other=0.0).to(q.dtype)
+        v = tl.load(value_cache_ptr + offs, mask=tok_mask[:, None], other=0.0).to(q.dtype)
+        s = mma(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * scale_log2
+        s = tl.where(tok_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+        m_i = m_new
 
     acc = acc / l_i[:, None]
     if SINGLE_SPLIT:
@@ -198,38 +185,6 @@ def _decode_partition_kernel(
         _store_partial(part_out_ptr, part_lse_ptr, seq, heads, split, dims, row_mask, acc,
                        m_i + tl.log2(l_i), stride_po_seq, stride_po_head, stride_po_split,
                        stride_pl_seq, stride_pl_head)
-
-
-@triton.jit
-def _attend_tiles(q, key_cache_ptr, value_cache_ptr, bt_row, head_off, start, end, dims, scale_log2,
-                  stride_cache_block, stride_cache_slot, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  DOT_UPCAST: tl.constexpr):
-    """Online softmax of q's rows over the cache's tokens start..end - 1, in
-    BLOCK_N tiles: the unnormalised output, the running max and the sum of
-    weights (max -inf and sums 0 where the range is empty)."""
-    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-    # Every tile holds at least one token < end, so m_i is finite after the first.
-    for tile in range(start, end, BLOCK_N):
-        toks = tile + tl.arange(0, BLOCK_N)
-        tok_mask = toks < end
-        block = tl.load(bt_row + toks // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
-        offs = (block * stride_cache_block + (toks % BLOCK_SIZE) * stride_cache_slot
-                + head_off)[:, None] + dims[None, :]
-        # An FP8 cache's values widen (exactly) to the products' dtype, q's.
-        k = tl.load(key_cache_ptr + offs, mask=tok_mask[:, None], other=0.0).to(q.dtype)
-        v = tl.load(value_cache_ptr + offs, mask=tok_mask[:, None], other=0.0).to(q.dtype)
-        s = mma(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * scale_log2
-        s = tl.where(tok_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
-        m_i = m_new
-    return acc, m_i, l_i
 
 
 @triton.jit
@@ -374,8 +329,7 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
                      scale: float, out: torch.Tensor, *, partition_size: int, block_n: int,
                      num_warps: int = 4, num_stages: int = 2, reduce_chunk: int = 64,
-                     fused_max_splits: int = 0,
-                     new_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                     fused_max_splits: int = 0) -> torch.Tensor:
     """out[i] = attention of query[i] ([num_heads, head_dim]) over sequence i's context.
 
     key_cache/value_cache are [num_blocks, block_size, num_kv_heads, head_dim].
@@ -387,12 +341,6 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     reduce_chunk: at most this many partial results combined per loop step
     (a power of two). Each step is a dependent round trip to memory, on the
     critical path at small batch.
-    new_kv: the (key, value) rows [num_seqs, num_kv_heads, head_dim] that
-    write_kv has just put in the cache, row i at sequence i's last position,
-    in the cache's dtype, from a kernel launched before the one that wrote the
-    cache (so they and `query` were written two or more launches back: the
-    kernel reads them before its PDL wait, _decode_partition_kernel). With
-    them the attention does not wait for the KV write.
     """
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -413,22 +361,12 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
                                device=query.device)
         po_strides = part_out.stride()[:3]
         pl_strides = part_lse.stride()[:2]
-    early = new_kv is not None
-    if early:
-        for rows in new_kv:
-            if rows.dtype != key_cache.dtype or rows.shape[1:] != (num_kv_heads, head_dim) \
-                    or rows.shape[0] < num_seqs or rows.stride(2) != 1:
-                raise ValueError(f"decode_attention: new_kv rows must be [num_seqs, {num_kv_heads}, {head_dim}] "
-                                 f"in the cache's dtype {key_cache.dtype} with a dense last dimension, got "
-                                 f"{tuple(rows.shape)} {rows.dtype} strides {rows.stride()}")
-    new_key, new_value = new_kv if early else (query, query)  # not read without EARLY
     pdl = pdl_launch(query)
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, key_cache, value_cache, block_tables, seq_lens, new_key, new_value, out, part_out, part_lse,
+        query, key_cache, value_cache, block_tables, seq_lens, out, part_out, part_lse,
         counters,
         scale * LOG2E,
-        query.stride(0), query.stride(1), new_key.stride(0), new_key.stride(1),
-        new_value.stride(0), new_value.stride(1),
+        query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
@@ -438,8 +376,7 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         GROUP_P2=max(2, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SINGLE_SPLIT=single, FUSED_REDUCE=fused,
         SPLIT_CHUNK=choices.split_chunk,
-        **dot_settings(query.dtype), FP16_PRODUCTS=fp16_products(query.dtype, key_cache.dtype), EARLY=early,
-        **pdl,
+        **dot_settings(query.dtype), FP16_PRODUCTS=fp16_products(query.dtype, key_cache.dtype), **pdl,
         num_warps=num_warps, num_stages=num_stages,
     )
     if not single and not fused:

@@ -28,14 +28,12 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr,
                      stride_x_row, stride_x_head, stride_res_row, stride_out_row, stride_out_head,
                      num_heads, n_cols, eps,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    # The weight before the wait: no kernel of a step writes weights.
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     pdl_prologue(PDL)
     row = tl.program_id(0)
     tok = (row // num_heads).to(tl.int64)
     head = (row % num_heads).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
     dtype = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + tok * stride_x_row + head * stride_x_head + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
@@ -44,6 +42,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr,
         tl.store(res_ptr + tok * stride_res_row + cols, x.to(dtype), mask=mask)
     var = tl.sum(x * x, axis=0) / n_cols
     y = (x * tl.rsqrt(var + eps)).to(dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + tok * stride_out_row + head * stride_out_head + cols, (w * y).to(dtype), mask=mask)
 
 
@@ -76,18 +75,15 @@ def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr,
                    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_cs_tok,
                    NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
                    HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     tok = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, HALF_PAD)
     dmask = d < HALF
     cs = tok * stride_cs_tok
-    # cos/sin before the wait: the model computes them once a step, before its
-    # first layer's norm and projection, so two or more launches back, which a
-    # dependent launch never overlaps (common_triton.pdl_prologue).
     c1 = tl.load(cos_ptr + cs + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
     c2 = tl.load(cos_ptr + cs + HALF + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
     s1 = tl.load(sin_ptr + cs + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
     s2 = tl.load(sin_ptr + cs + HALF + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    pdl_prologue(PDL)
     heads = tl.arange(0, HEADS_PAD)[:, None]
     dd = d[None, :]
     dtype = q_ptr.dtype.element_ty
@@ -110,9 +106,7 @@ def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr,
 def rotary_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq, D] and k [T, Hk, D] in place (views of a fused QKV
-    output are fine); cos/sin [T, D] in q's dtype, written two or more kernel
-    launches before this one (the kernel reads them before its PDL wait).
-    Returns (q, k)."""
+    output are fine); cos/sin [T, D] in q's dtype. Returns (q, k)."""
     tokens, num_q, head_dim = q.shape
     if q.stride(-1) != 1 or k.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
         raise ValueError("rotary_triton: the last dimensions must be dense")

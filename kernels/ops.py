@@ -62,16 +62,14 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, new_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                    settled: bool = True) -> torch.Tensor:
+                    scale: float, new_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """new_kv: the (key, value) rows write_kv just put in the cache; the Triton
     path may read the new tokens' tiles from them (paged_attention_triton),
-    the twin reads the cache only. settled: query and new_kv were written
-    before the KV write's launch (paged_attention_triton says why it matters)."""
+    the twin reads the cache only."""
     if _use_triton(query):
         from tandem.kernels.attention_triton import paged_attention_triton
 
-        return paged_attention_triton(query, kv_cache, meta, scale, new_kv=new_kv, settled=settled)
+        return paged_attention_triton(query, kv_cache, meta, scale, new_kv=new_kv)
     return paged_attention_torch_batched(query, kv_cache, meta, scale)
 
 

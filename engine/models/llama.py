@@ -159,12 +159,10 @@ class Attention(nn.Module):
         return (self.k_scale, self.v_scale) if is_fp8(kv_cache.dtype) else (1.0, 1.0)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-               meta: AttentionMetadata, settled: bool = True) -> torch.Tensor:
-        """settled: q, k and v are project()'s own outputs, not copies made
-        after its KV write (ops.paged_attention)."""
+               meta: AttentionMetadata) -> torch.Tensor:
         k_scale, v_scale = self.cache_scales(kv_cache)
         if k_scale == 1.0 and v_scale == 1.0:
-            return paged_attention(q, kv_cache, meta, self.scale, new_kv=(k, v), settled=settled)
+            return paged_attention(q, kv_cache, meta, self.scale, new_kv=(k, v))
         # The cache holds k / k_scale and v / v_scale: the keys' scale goes into
         # the softmax scale, the values' onto the output (attention is linear in
         # V). The new rows themselves are not what the cache holds: not passed.
