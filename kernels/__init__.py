@@ -1,5 +1,6 @@
 """Attention ops over the paged KV cache, and the per-layer ops around them
-(RMSNorm with the residual add, rotary embedding, SiLU-and-multiply), and the
+(RMSNorm with the residual add, rotary embedding, alone or with the KV
+cache write, SiLU-and-multiply), and the
 fused mixture-of-experts MLP and its routing, and the linear layers (16-bit
 and FP8).
 
@@ -9,7 +10,7 @@ signature. `tandem.kernels.ops` picks one.
 """
 from tandem.kernels.metadata import AttentionMetadata
 from tandem.kernels.ops import (fp8_linear, fused_moe, linear, moe_route, paged_attention, rms_norm, rotary,
-                                silu_and_mul, write_kv)
+                                rotary_and_write_kv, silu_and_mul, write_kv)
 
 __all__ = ["AttentionMetadata", "fp8_linear", "fused_moe", "linear", "moe_route", "paged_attention", "rms_norm",
-           "rotary", "silu_and_mul", "write_kv"]
+           "rotary", "rotary_and_write_kv", "silu_and_mul", "write_kv"]

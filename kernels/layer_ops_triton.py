@@ -86,21 +86,26 @@ def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr,
     s2 = tl.load(sin_ptr + cs + HALF + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
     heads = tl.arange(0, HEADS_PAD)[:, None]
     dd = d[None, :]
-    dtype = q_ptr.dtype.element_ty
-    for which in tl.static_range(2):
-        if which == 0:
-            base = q_ptr + tok * stride_q_tok + heads * stride_q_head
-            mask = (heads < NUM_Q_HEADS) & dmask[None, :]
-        else:
-            base = k_ptr + tok * stride_k_tok + heads * stride_k_head
-            mask = (heads < NUM_K_HEADS) & dmask[None, :]
-        x1 = tl.load(base + dd, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(base + HALF + dd, mask=mask, other=0.0).to(tl.float32)
-        # x * cos + rotate_half(x) * sin, each product and the sum rounded as torch would
-        o1 = (x1 * c1).to(dtype).to(tl.float32) + (-x2 * s1).to(dtype).to(tl.float32)
-        o2 = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
-        tl.store(base + dd, o1.to(dtype), mask=mask)
-        tl.store(base + HALF + dd, o2.to(dtype), mask=mask)
+    rotate_heads(q_ptr + tok * stride_q_tok + heads * stride_q_head + dd,
+                 (heads < NUM_Q_HEADS) & dmask[None, :], c1, c2, s1, s2, HALF)
+    rotate_heads(k_ptr + tok * stride_k_tok + heads * stride_k_head + dd,
+                 (heads < NUM_K_HEADS) & dmask[None, :], c1, c2, s1, s2, HALF)
+
+
+@triton.jit
+def rotate_heads(first_half, mask, c1, c2, s1, s2, HALF: tl.constexpr):
+    """Rotate one token's heads in place: first_half points at each head's
+    first HALF elements [heads, HALF_PAD]. Returns the two rotated halves, in
+    the tensor's dtype, as stored (rotary_kv_write_triton writes them on)."""
+    dtype = first_half.dtype.element_ty
+    x1 = tl.load(first_half, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first_half + HALF, mask=mask, other=0.0).to(tl.float32)
+    # x * cos + rotate_half(x) * sin, each product and the sum rounded as torch would
+    o1 = ((x1 * c1).to(dtype).to(tl.float32) + (-x2 * s1).to(dtype).to(tl.float32)).to(dtype)
+    o2 = ((x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)).to(dtype)
+    tl.store(first_half, o1, mask=mask)
+    tl.store(first_half + HALF, o2, mask=mask)
+    return o1, o2
 
 
 def rotary_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,

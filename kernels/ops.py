@@ -93,6 +93,20 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     return rotary_torch(q, k, cos, sin)
 
 
+def rotary_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                        v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """rotary(q, k, cos, sin), then write_kv of the rotated k and v: one
+    launch on CUDA (rotary_kv_write_triton.py). Returns (q, k), rotated."""
+    if _use_triton(q):
+        from tandem.kernels.rotary_kv_write_triton import rotary_write_kv_triton
+
+        return rotary_write_kv_triton(q, k, v, cos, sin, kv_cache, slot_mapping, k_scale, v_scale)
+    q, k = rotary_torch(q, k, cos, sin)
+    write_kv_torch(k, v, kv_cache, slot_mapping, k_scale, v_scale)
+    return q, k
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if _use_triton(gate_up):
         from tandem.kernels.layer_ops_triton import silu_and_mul_triton

@@ -134,7 +134,7 @@ def check_batch(batch: Batch, config=None) -> tuple[bool, float, str]:
     write_kv_torch(batch.key, batch.value, ref_cache, batch.meta.slot_mapping)
     cache = batch.kv_cache.clone()
     write_kv_triton(batch.key, batch.value, cache, batch.meta.slot_mapping)
-    why = write_mismatch(cache, ref_cache)
+    why = write_mismatch(cache, ref_cache) or fused_write_mismatch(batch)
     if why:
         return False, float("inf"), f"write_kv: {why}"
     if is_fp8(cache.dtype) and interpreted():
@@ -159,6 +159,34 @@ def check_batch(batch: Batch, config=None) -> tuple[bool, float, str]:
     if any(int(c.count_nonzero()) for c in _split_counters.values()):
         return False, err, "decode: split counters left non-zero"
     return True, err, ""
+
+
+def fused_write_mismatch(batch: Batch) -> str:
+    """Why rotary_write_kv_triton (one launch) differs from rotary_triton
+    then write_kv_triton over the batch's new rows, bit for bit: the rotated
+    q and k, and the cache (over an FP8 cache also with a checkpoint's
+    scales); empty if it does not. The two launches are checked against the
+    twins elsewhere (check_batch, layer_ops_check)."""
+    from tandem.kernels.cache_write import write_kv_triton
+    from tandem.kernels.layer_ops_triton import rotary_triton
+    from tandem.kernels.rotary_kv_write_triton import rotary_write_kv_triton
+
+    q, k, v, slots = batch.query, batch.key, batch.value, batch.meta.slot_mapping  # padding rows too (slot -1)
+    gen = torch.Generator().manual_seed(q.shape[0])
+    angles = torch.rand(q.shape[0], q.shape[-1] // 2, generator=gen) * 6.3
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = (t.to(dtype=q.dtype, device=q.device) for t in (emb.cos(), emb.sin()))
+    for k_scale, v_scale in ((1.0, 1.0), (0.37, 2.9)) if is_fp8(batch.kv_cache.dtype) else ((1.0, 1.0),):
+        q1, k1 = rotary_triton(q.clone(), k.clone(), cos, sin)
+        c1 = batch.kv_cache.clone()
+        write_kv_triton(k1, v, c1, slots, k_scale, v_scale)
+        c2 = batch.kv_cache.clone()
+        q2, k2 = rotary_write_kv_triton(q.clone(), k.clone(), v, cos, sin, c2, slots, k_scale, v_scale)
+        for name, a, b in (("q", q1, q2), ("k", k1, k2), ("cache", movable(c1), movable(c2))):
+            if not torch.equal(a, b):
+                return (f"rotary + write in one launch: {name} differs from the two launches' "
+                        f"({int((a != b).sum())} elements, scales {k_scale} / {v_scale})")
+    return ""
 
 
 def write_mismatch(cache: torch.Tensor, ref: torch.Tensor) -> str:

@@ -18,7 +18,7 @@ from tandem.engine.fp8 import Fp8Linear
 from tandem.engine.models.linear import Linear
 from tandem.engine.models.vocab_parallel import VocabParallelEmbedding
 from tandem.engine.tensor_parallel import all_gather_last, all_reduce, shard_size, tp_group, vocab_shard
-from tandem.kernels import AttentionMetadata, paged_attention, rms_norm, rotary, silu_and_mul, write_kv
+from tandem.kernels import AttentionMetadata, paged_attention, rms_norm, rotary_and_write_kv, silu_and_mul
 from tandem.kernels.kv_cache_dtype import is_fp8
 
 # HF model_type -> (qkv bias, q/k norm); the MoE models get their MLPs from moe.py (models.build_model)
@@ -150,8 +150,8 @@ class Attention(nn.Module):
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(q, k, cos, sin)  # HF's rotate-half convention
-        write_kv(k, v, kv_cache, slot_mapping, *self.cache_scales(kv_cache))
+        # HF's rotate-half convention; one launch with the cache write on GPUs
+        q, k = rotary_and_write_kv(q, k, v, cos, sin, kv_cache, slot_mapping, *self.cache_scales(kv_cache))
         return q, k, v
 
     def cache_scales(self, kv_cache: torch.Tensor) -> tuple[float, float]:
