@@ -27,7 +27,18 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> t
     or v_scale; attention multiplies it back), saturating at +-448 rather than
     turning larger values into NaN, as the Triton write does (satfinite)."""
     if is_fp8(dtype):
-        return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(dtype)
+        if scale == 1.0:
+            x = x.float()
+        else:
+            # Divided as the Triton write divides (div_rn: fp32, correctly
+            # rounded, by the fp32 scale it is given). Not x / scale: on an
+            # H200 that stored 24 of 131,072 values other than the kernel's
+            # (kernels.selfcheck, 2026-12-02; torch may divide by a scalar
+            # through its reciprocal). The quotient in fp64 rounded to fp32
+            # is the correctly rounded fp32 quotient (53 >= 2 x 24 + 2
+            # bits), on every device.
+            x = (x.double() / float(torch.tensor(scale, dtype=torch.float32))).float()
+        return x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(dtype)
     return x.to(dtype)
 
 
