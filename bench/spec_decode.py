@@ -175,7 +175,6 @@ class SpecResult:
     governed_speculate_steps: int = 0  # adaptive: decode steps the governor let speculate
     governed_plain_steps: int = 0
     governor_leaders: dict = field(default_factory=dict)  # batch group -> speculating, at the run's end
-    governor_mixed_leaders: dict = field(default_factory=dict)  # the same for steps with a prompt chunk
 
     @property
     def speculating_share(self) -> Optional[float]:
@@ -303,7 +302,6 @@ def _result(engine, before, setting: str, batch: int, produced: int, decode_toke
     governor = engine.speculator.governor if engine.speculator is not None else None
     if governor is not None:
         result.governor_leaders = governor.leaders()
-        result.governor_mixed_leaders = governor.leaders(mixed=True)
     return result
 
 
@@ -453,8 +451,7 @@ def run(args: argparse.Namespace) -> int:
                 results.append(result)
                 share = result.speculating_share
                 governed = "" if share is None else (f", governor: {share:.0%} of decode steps speculating, "
-                                                     f"choices at the end {result.governor_leaders}, beside a prompt chunk "
-                                                     f"{result.governor_mixed_leaders}")
+                                                     f"choices at the end {result.governor_leaders}")
                 print(f"round {round_} {name} batch {batch}: {result.decode_tokens_per_s:.1f} decode tok/s, "
                       f"acceptance {result.acceptance_rate:.2f}, {result.tokens_per_step:.2f} tokens/step"
                       f"{governed}", file=sys.stderr)

@@ -478,7 +478,7 @@ class LLMEngine:
             self._forget_finished(requests)
             self.speculator.step_ran(t0, plan, num_accepted)
             # Unless the next step is to decode plainly (no lookup, no draft forwards):
-            if self.speculator.decide(len(scheduler.running), scheduler.prompt_pending):
+            if self.speculator.decide(len(scheduler.running)):
                 if self._inflight is None:
                     self.speculator.propose(requests)  # those still running
                 else:  # this step's tokens are in flight: look up without them (see _step's start)

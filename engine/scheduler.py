@@ -101,12 +101,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests) or bool(self._untexted)
 
-    def prompt_pending(self) -> bool:
-        """Whether the next step is likely to carry prompt tokens: a request
-        waits, or a running one has more than its next token to compute (a
-        prompt part-way through, or one preempted and recomputed)."""
-        return self.num_waiting > 0 or any(len(r.all_token_ids) - r.num_computed_tokens > 1 for r in self.running)
-
     @property
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self.staging)

@@ -13,29 +13,18 @@ from inside the engine.
 
 The rule:
 - Steps are grouped by the number of running requests when the step was
-  decided, in powers of two (1, 2-3, 4-7, ...), and by whether it was to
-  carry a prompt chunk beside the decodes (a request waiting or part-way
-  through its prompt): a group's steps cost about the same. Mixed steps
-  are their own groups because speculation costs them otherwise: a
-  verifying step beside a chunk has too many tokens for a CUDA graph and
-  runs eagerly, where a plain one may replay a piecewise graph
-  (docs/benchmarks.md, the twenty-fourth session: 3.9-6.2 ms against
-  2.7-3.4 for a verifying decode step at batch 64). Under a steady stream
-  of requests most steps are mixed.
+  decided, in powers of two (1, 2-3, 4-7, ...): a group's steps cost about
+  the same.
 - Two policies: SPECULATE (propose whenever the proposer finds drafts, as
   without this module) and PLAIN (propose nothing, and skip the lookup too).
   Each group has a leader: a new group takes the leader of the nearest
-  group of its kind (mixed or not; of the other kind if its own has none)
-  that has measured one (costs change smoothly with the batch, and a
+  group that has measured one (costs change smoothly with the batch, and a
   batch draining from 64 to 1 would otherwise pay to learn each size
   afresh), and SPECULATE when there is none: the user asked for it.
-- A step is measured in its group if it ran as decided (a step decided
-  mixed that found no chunk, or the reverse, is not): its decode tokens
-  (a plain row one, a verified row one plus its accepted drafts; a
-  chunk's prompt tokens not) and the wall time from its start to the next
-  step's start, which counts the host's work and the device's, overlapped
-  or not, once each. A mixed step's chunk costs both policies alike, so
-  their rates still compare.
+- Only decode steps are measured (no prompt chunk in them): their tokens
+  (a plain row one, a verified row one plus its accepted drafts) and the
+  wall time from their start to the next step's start, which counts the
+  host's work and the device's, overlapped or not, once each.
 - Under SPECULATE a step where the proposer found no drafts decodes what
   PLAIN would, at PLAIN's cost plus the lookup's and the pipeline's: it is
   charged only that overhead (its time less what its tokens take at
@@ -130,7 +119,7 @@ class _Group:
 class _Decided:
     """A step as decided: its group, its policy, whether it is a burst's step and which."""
 
-    group: tuple[int, bool]  # (the batch's power-of-two group, mixed)
+    group: int
     policy: bool
     burst_step: Optional[int]  # 0 for a burst's first (unmeasured) step; None for a leader step
     transition: bool = False  # a leader step right after a burst: not measured
@@ -140,15 +129,15 @@ class _Decided:
 class GovernorCounts:
     """What the governor did, for metrics and the benchmark."""
 
-    speculate_steps: int = 0  # steps that ran as decided, decided to speculate
-    plain_steps: int = 0  # steps that ran as decided, decided to decode plainly
+    speculate_steps: int = 0  # decode steps decided to speculate
+    plain_steps: int = 0  # decode steps decided to decode plainly
     leader_changes: int = 0
 
 
 class SpeculationGovernor:
     def __init__(self, settings: GovernorSettings = GovernorSettings()) -> None:
         self.settings = settings
-        self._groups: dict[tuple[int, bool], _Group] = {}
+        self._groups: dict[int, _Group] = {}
         self._decided: Optional[_Decided] = None  # the policy in force for the next step
         # The last step: its decision, tokens, start, and whether it verified drafts.
         self._ran: Optional[tuple[_Decided, int, float, bool]] = None
@@ -159,12 +148,11 @@ class SpeculationGovernor:
         """Powers of two: 1 -> 1, 2-3 -> 2, 4-7 -> 3, ..."""
         return max(num_running, 1).bit_length()
 
-    def decide(self, num_running: int, mixed: bool = False) -> bool:
-        """The policy of the next step for a batch of num_running requests,
-        mixed if it is to carry a prompt chunk: True to let it propose
-        (SPECULATE). Called once per step."""
+    def decide(self, num_running: int) -> bool:
+        """The policy of the next step for a batch of num_running requests:
+        True to let it propose (SPECULATE). Called once per step."""
         s = self.settings
-        key = (self.group_of(num_running), mixed)
+        key = self.group_of(num_running)
         group = self._groups.get(key)
         if group is None:
             group = self._groups[key] = _Group(leader=self._nearest_leader(key), until_burst=s.first_pause,
@@ -189,13 +177,10 @@ class SpeculationGovernor:
         group.back_from_burst = False
         return group.leader
 
-    def _nearest_leader(self, key: tuple[int, bool]) -> bool:
-        """The leader of the nearest group that measured its leader, of the
-        same kind first (the larger on a tie); SPECULATE if none."""
-        size, mixed = key
-        known = [(m != mixed, abs(k - size), -k, g.leader) for (k, m), g in self._groups.items()
-                 if g.leader_rate.steps]
-        return min(known)[3] if known else SPECULATE
+    def _nearest_leader(self, key: int) -> bool:
+        """The leader of the nearest group that measured its leader (the larger on a tie); SPECULATE if none."""
+        known = [(abs(k - key), -k, g.leader) for k, g in self._groups.items() if g.leader_rate.steps]
+        return min(known)[2] if known else SPECULATE
 
     def forget_decision(self) -> None:
         """The next step is not one the governor decided (speculation was
@@ -213,13 +198,11 @@ class SpeculationGovernor:
 
     def step_ran(self, start: float, decode_only: bool, tokens: int, verified: bool) -> None:
         """The step begun at `start` ran under the last decision: `tokens`
-        decode tokens for its requests, `verified` whether it carried
-        drafts, decode_only whether it carried no prompt chunk. It is
-        measured if it was of the kind decided (a SPECULATE step without
-        drafts as its overhead, _add); its time is known when the next one
-        starts."""
+        tokens for its requests, `verified` whether it carried drafts. Only
+        decode-only steps are measured (a SPECULATE step without drafts as
+        its overhead, _add); its time is known when the next one starts."""
         decided, self._decided = self._decided, None
-        if decided is None or decided.group[1] == decode_only or tokens <= 0:
+        if decided is None or not decode_only or tokens <= 0:
             return
         if decided.policy:
             self.counts.speculate_steps += 1
@@ -283,7 +266,6 @@ class SpeculationGovernor:
             # known yet) under the old leader: the next is a switch again.
             group.back_from_burst = True
 
-    def leaders(self, mixed: bool = False) -> dict[int, bool]:
-        """Each group's leader by its smallest batch (1, 2, 4, ...): True if
-        it speculates; the groups of steps with a prompt chunk if `mixed`."""
-        return {1 << (size - 1): g.leader for (size, m), g in sorted(self._groups.items()) if m == mixed}
+    def leaders(self) -> dict[int, bool]:
+        """Each group's leader by its smallest batch (1, 2, 4, ...): True if it speculates."""
+        return {1 << (key - 1): g.leader for key, g in sorted(self._groups.items())}

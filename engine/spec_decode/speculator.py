@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, Iterable, Optional, Protocol, Sequence
+from typing import Iterable, Optional, Protocol, Sequence
 
 from tandem.engine.config import ConfigError, EngineConfig, ModelConfig
 from tandem.engine.loader import ModelInfo
@@ -98,17 +98,15 @@ class Speculator:
         model's proposals are its forwards, which move its KV."""
         return isinstance(self.proposer, NgramProposer)
 
-    def decide(self, num_running: int, mixed: Callable[[], bool] = lambda: False) -> bool:
+    def decide(self, num_running: int) -> bool:
         """Whether the next step may carry drafts, for a batch of num_running
-        requests (the module docstring); the engine proposes only if so.
-        mixed(): whether that step is to carry a prompt chunk (asked only
-        where the governor decides: it walks the running requests)."""
+        requests (the module docstring); the engine proposes only if so."""
         off_above = self.config.disable_by_batch_size
         if off_above is not None and num_running > off_above:
             if self.governor is not None:
                 self.governor.forget_decision()
             return False
-        return self.governor is None or self.governor.decide(num_running, mixed())
+        return self.governor is None or self.governor.decide(num_running)
 
     def step_started(self, now: float) -> None:
         """The engine starts a step (time.perf_counter): the governor's clock."""
@@ -118,7 +116,7 @@ class Speculator:
     def step_ran(self, start: float, plan, num_accepted: int) -> None:
         """The step begun at `start` ran `plan` (a SchedulerOutput) and its
         verified rows accepted num_accepted drafts in all: the governor
-        measures it with the steps of its kind (a prompt chunk in it or not)."""
+        measures it if it only decoded."""
         if self.governor is not None:
             decode_only = len(plan.sampled) == plan.num_entries and \
                 plan.num_scheduled_tokens == plan.num_logits_rows

@@ -110,10 +110,9 @@ SPEC_DECODE_NUM_EMITTED_TOKENS = Counter(
     "target's own token, less what a stop cut (tokens per step: this / num_drafts).", ENGINE)
 SPEC_DECODE_GOVERNED_STEPS = Counter(
     "tandem:spec_decode_governed_steps",
-    "Speculative decoding, adaptive: steps by the policy the governor chose for them (speculate: drafts "
-    "proposed where found; plain: no proposal), from the decode speed each measured at the batch's size, "
-    "with or without a prompt chunk beside the decodes.", ENGINE + ("policy",))
-# (Counted for the steps that ran as decided: a chunk where one was expected, or none where none was.)
+    "Speculative decoding, adaptive: decode steps by the policy the governor chose for them (speculate: "
+    "drafts proposed where found; plain: no proposal), from the decode speed each measured at the batch's "
+    "size.", ENGINE + ("policy",))
 SPEC_DECODE_GOVERNOR_CHANGES = Counter(
     "tandem:spec_decode_governor_changes",
     "Speculative decoding, adaptive: times a batch size's policy changed (speculate to plain or back).", ENGINE)

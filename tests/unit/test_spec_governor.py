@@ -1,9 +1,8 @@
 """The adaptive speculation governor (engine/spec_decode/governor.py) on step
 timings given as data: it keeps the policy that decodes faster at each
-batch size, and apart for steps with a prompt chunk, finds out when the
-other one becomes faster, measures steps of the kind decided (under
-speculation those without drafts as their overhead), and leaves out the
-transitions into and out of a burst and outliers."""
+batch size, finds out when the other one becomes faster, measures only
+decode steps (under speculation only those that verified drafts), and
+leaves out the transitions into and out of a burst and outliers."""
 from __future__ import annotations
 
 from typing import Callable
@@ -12,15 +11,13 @@ from tandem.engine.spec_decode.governor import GovernorSettings, SpeculationGove
 
 
 def run_steps(governor: SpeculationGovernor, steps: int, num_running: int,
-              cost: Callable[[bool], tuple], clock: list[float], decode_only: bool = True,
-              mixed: bool = False) -> list[bool]:
-    """`steps` engine steps at this batch, each decided (as carrying a prompt
-    chunk if `mixed`), run (with one unless `decode_only`) and timed as the
+              cost: Callable[[bool], tuple], clock: list[float], decode_only: bool = True) -> list[bool]:
+    """`steps` engine steps at this batch, each decided, run and timed as the
     engine does: cost(policy) -> (tokens emitted, seconds taken[, whether
     it verified drafts: by default, whether it speculated])."""
     policies = []
     for _ in range(steps):
-        policy = governor.decide(num_running, mixed)
+        policy = governor.decide(num_running)
         policies.append(policy)
         governor.step_started(clock[0])
         tokens, seconds, *verified = cost(policy)
@@ -129,53 +126,18 @@ def test_steps_without_drafts_are_charged_their_overhead_not_their_tokens():
     assert g.leaders() == {1: False}
 
 
-def test_a_step_is_measured_only_if_it_ran_as_the_kind_decided():
-    """A step decided as a decode step that carried a prompt chunk (a request
-    arrived meanwhile), or decided mixed that found none, does not count:
-    its cost is the other kind's."""
-    for mixed in (False, True):
-        g = SpeculationGovernor()
-        clock = [0.0]
-
-        def slow_when_speculating(policy: bool) -> tuple[int, float]:
-            return 8, (1.0 if policy else 0.01)
-
-        run_steps(g, 300, 8, slow_when_speculating, clock, decode_only=mixed, mixed=mixed)
-        assert g.leaders(mixed=mixed) == {8: True}, "were they measured, speculating would look slower"
-        assert g.counts.speculate_steps == g.counts.plain_steps == 0
-
-
-def test_steps_with_a_prompt_chunk_choose_apart_from_decode_steps():
-    """Beside a prompt chunk a verifying step may cost far more than alone
-    (it runs eagerly where a plain one replays a graph): the mixed steps
-    learn to decode plainly while the decode steps keep speculating."""
+def test_only_decode_steps_are_measured():
+    """Steps with prompt chunks do not count: were they measured, the slow
+    prefill steps under one policy would make it look slower."""
     g = SpeculationGovernor()
     clock = [0.0]
 
-    def decode(policy: bool) -> tuple[int, float]:  # alone: 64k tokens/s speculating, 43k plain
-        return (192, 0.003) if policy else (64, 0.0015)
+    def slow_when_speculating(policy: bool) -> tuple[int, float]:
+        return 8, (1.0 if policy else 0.01)
 
-    def beside_a_chunk(policy: bool) -> tuple[int, float]:  # eager verifying: 16k tokens/s; plain 26k
-        return (96, 0.006) if policy else (64, 0.0025)
-
-    for _ in range(40):  # the two kinds interleave, as arrivals come
-        run_steps(g, 10, 64, decode, clock)
-        run_steps(g, 10, 64, beside_a_chunk, clock, decode_only=False, mixed=True)
-    assert g.leaders() == {64: True}
-    assert g.leaders(mixed=True) == {64: False}
-    # Mutation guard: one group for both kinds would settle on a single choice.
-    assert g.counts.leader_changes == 1
-
-
-def test_a_new_mixed_group_starts_from_its_own_kind_first():
-    g = SpeculationGovernor()
-    run_steps(g, 400, 64, by_rate(900.0, 1000.0, batch=64), [0.0], decode_only=False, mixed=True)
-    assert g.leaders(mixed=True) == {64: False}
-    run_steps(g, 50, 64, by_rate(2000.0, 1000.0, batch=64), [0.0])
-    assert g.leaders() == {64: True}, "decode steps of that size: their own group, measured afresh"
-    assert g.decide(16, mixed=True) is False, "a mixed group takes the nearest mixed group's choice"
-    g.forget_decision()
-    assert g.decide(16) is True, "and a decode group the nearest decode group's"
+    run_steps(g, 300, 8, slow_when_speculating, clock, decode_only=False)
+    assert g.leaders() == {8: True}
+    assert g.counts.speculate_steps == g.counts.plain_steps == 0
 
 
 def test_a_bursts_first_step_and_outliers_are_not_measured():
@@ -220,7 +182,7 @@ def test_a_burst_whose_last_step_went_unmeasured_still_counts():
     for _ in range(400):
         policy = g.decide(8)
         g.step_started(clock[0])
-        group = g._groups[(SpeculationGovernor.group_of(8), False)]
+        group = g._groups[SpeculationGovernor.group_of(8)]
         last_of_burst = group.burst_open and group.burst_left == 0 and policy != group.leader
         tokens = 8 * (3 if policy else 1)
         g.step_ran(clock[0], not last_of_burst, tokens, policy)
