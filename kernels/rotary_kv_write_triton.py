@@ -7,10 +7,12 @@ few microseconds of launch and memory round trip, so here one program per
 token rotates its q and k heads, stores them back, and stores the rotated k
 (from its registers) and v at the token's slot.
 
-Twins: layer_ops_torch.rotary_torch, then paged_attention_torch.write_kv_torch,
-whose results this gives bit for bit (the rotary kernel's rounding points;
-the write's FP8 conversion: divided by the scale correctly rounded, clamped
-to +-448, rounded to nearest).
+Twins: layer_ops_torch.rotary_torch, then paged_attention_torch.write_kv_torch.
+It gives the same bits as the two launches it replaces (rotary_triton, then
+write_kv_triton: the rotary's rounding points; the write's FP8 conversion,
+divided by the scale correctly rounded, clamped to +-448, rounded to
+nearest), which selfcheck.fused_write_mismatch checks; those two are
+checked against the twins.
 """
 from __future__ import annotations
 
