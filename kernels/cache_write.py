@@ -39,16 +39,22 @@ def _write_kv_kernel(
     v = tl.load(value_ptr + src * stride_value_tok + heads * stride_value_head + dims, mask=mask)
     # The slot index of a large cache exceeds int32 once multiplied out: keep it int64.
     dst = slot * stride_cache_slot + heads * stride_cache_head + dims
-    if FP8:  # saturated as the twin does, whatever the conversion does past 448
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-        if SCALED:  # a checkpoint's scales: divided correctly rounded, as the twin divides
-            k = tl.div_rn(k, k_scale)
-            v = tl.div_rn(v, v_scale)
-        k = tl.clamp(k, -_FP8_MAX, _FP8_MAX)
-        v = tl.clamp(v, -_FP8_MAX, _FP8_MAX)
-    tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+    cache_dtype = key_cache_ptr.dtype.element_ty
+    tl.store(key_cache_ptr + dst, as_cached(k, k_scale, cache_dtype, FP8, SCALED), mask=mask)
+    tl.store(value_cache_ptr + dst, as_cached(v, v_scale, cache_dtype, FP8, SCALED), mask=mask)
+
+
+@triton.jit
+def as_cached(x, scale, cache_dtype, FP8: tl.constexpr, SCALED: tl.constexpr):
+    """Values as the cache stores them: over FP8, divided by a checkpoint's
+    scale correctly rounded (as the twin divides) and saturated at +-448 as
+    the twin does, whatever the conversion does past it."""
+    if FP8:
+        x = x.to(tl.float32)
+        if SCALED:
+            x = tl.div_rn(x, scale)
+        x = tl.clamp(x, -_FP8_MAX, _FP8_MAX)
+    return x.to(cache_dtype)
 
 
 def write_kv_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,

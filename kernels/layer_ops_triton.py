@@ -79,17 +79,23 @@ def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr,
     tok = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, HALF_PAD)
     dmask = d < HALF
-    cs = tok * stride_cs_tok
-    c1 = tl.load(cos_ptr + cs + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    c2 = tl.load(cos_ptr + cs + HALF + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    s1 = tl.load(sin_ptr + cs + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    s2 = tl.load(sin_ptr + cs + HALF + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    c1, c2, s1, s2 = cos_sin_halves(cos_ptr + tok * stride_cs_tok, sin_ptr + tok * stride_cs_tok, d, dmask, HALF)
     heads = tl.arange(0, HEADS_PAD)[:, None]
     dd = d[None, :]
     rotate_heads(q_ptr + tok * stride_q_tok + heads * stride_q_head + dd,
                  (heads < NUM_Q_HEADS) & dmask[None, :], c1, c2, s1, s2, HALF)
     rotate_heads(k_ptr + tok * stride_k_tok + heads * stride_k_head + dd,
                  (heads < NUM_K_HEADS) & dmask[None, :], c1, c2, s1, s2, HALF)
+
+
+@triton.jit
+def cos_sin_halves(cos_row, sin_row, d, dmask, HALF: tl.constexpr):
+    """One token's cos and sin, each as its two halves [1, HALF_PAD] in fp32."""
+    c1 = tl.load(cos_row + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos_row + HALF + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sin_row + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin_row + HALF + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    return c1, c2, s1, s2
 
 
 @triton.jit

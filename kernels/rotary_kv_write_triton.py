@@ -21,22 +21,9 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.common_triton import pdl_launch, pdl_prologue
-from tandem.kernels.kv_cache_dtype import FP8_E4M3_MAX, is_fp8
-from tandem.kernels.layer_ops_triton import rotate_heads
-
-_FP8_MAX = tl.constexpr(FP8_E4M3_MAX)  # a jitted function reads constexpr globals only
-
-
-@triton.jit
-def _as_cached(x, scale, cache_dtype, FP8: tl.constexpr, SCALED: tl.constexpr):
-    """x (the model's dtype) as the cache stores it (cache_write._write_kv_kernel's rule)."""
-    if FP8:
-        x = x.to(tl.float32)
-        if SCALED:
-            x = tl.div_rn(x, scale)
-        x = tl.clamp(x, -_FP8_MAX, _FP8_MAX)
-    return x.to(cache_dtype)
-
+from tandem.kernels.cache_write import as_cached
+from tandem.kernels.kv_cache_dtype import is_fp8
+from tandem.kernels.layer_ops_triton import cos_sin_halves, rotate_heads
 
 @triton.jit
 def _rotary_write_kv_kernel(
@@ -50,11 +37,7 @@ def _rotary_write_kv_kernel(
     tok = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, HALF_PAD)
     dmask = d < HALF
-    cs = tok * stride_cs_tok
-    c1 = tl.load(cos_ptr + cs + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    c2 = tl.load(cos_ptr + cs + HALF + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    s1 = tl.load(sin_ptr + cs + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    s2 = tl.load(sin_ptr + cs + HALF + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    c1, c2, s1, s2 = cos_sin_halves(cos_ptr + tok * stride_cs_tok, sin_ptr + tok * stride_cs_tok, d, dmask, HALF)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
     heads = tl.arange(0, HEADS_PAD)[:, None]
     dd = d[None, :]
@@ -66,13 +49,13 @@ def _rotary_write_kv_kernel(
         # The slot index of a large cache exceeds int32 once multiplied out: keep it int64.
         dst = slot * stride_cache_slot + heads * stride_cache_head + dd
         cache_dtype = key_cache_ptr.dtype.element_ty
-        tl.store(key_cache_ptr + dst, _as_cached(k1, k_scale, cache_dtype, FP8, SCALED), mask=k_mask)
-        tl.store(key_cache_ptr + dst + HALF, _as_cached(k2, k_scale, cache_dtype, FP8, SCALED), mask=k_mask)
+        tl.store(key_cache_ptr + dst, as_cached(k1, k_scale, cache_dtype, FP8, SCALED), mask=k_mask)
+        tl.store(key_cache_ptr + dst + HALF, as_cached(k2, k_scale, cache_dtype, FP8, SCALED), mask=k_mask)
         v_row = v_ptr + tok * stride_v_tok + heads * stride_v_head + dd
         v1 = tl.load(v_row, mask=k_mask)
         v2 = tl.load(v_row + HALF, mask=k_mask)
-        tl.store(value_cache_ptr + dst, _as_cached(v1, v_scale, cache_dtype, FP8, SCALED), mask=k_mask)
-        tl.store(value_cache_ptr + dst + HALF, _as_cached(v2, v_scale, cache_dtype, FP8, SCALED), mask=k_mask)
+        tl.store(value_cache_ptr + dst, as_cached(v1, v_scale, cache_dtype, FP8, SCALED), mask=k_mask)
+        tl.store(value_cache_ptr + dst + HALF, as_cached(v2, v_scale, cache_dtype, FP8, SCALED), mask=k_mask)
 
 
 def rotary_write_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
