@@ -477,12 +477,19 @@ class LLMEngine:
         if self.speculator is not None and logits is not None:
             self._forget_finished(requests)
             self.speculator.step_ran(t0, plan, num_accepted)
-            # Unless the next step is to decode plainly (no lookup, no draft forwards):
-            if self.speculator.decide(len(scheduler.running)):
+            # Unless the next step is to decode plainly (no lookup, no draft forwards).
+            # Decided for the batch of the step that ran: a finished request's
+            # place is taken by a newcomer only after this (a server's
+            # arrivals, the bench's replacements), so the survivors' count
+            # would put the step beside its prompt chunk in the next smaller
+            # group, whose leader learned from other steps.
+            if self.speculator.decide(max(len(scheduler.running), len(requests))):
                 if self._inflight is None:
                     self.speculator.propose(requests)  # those still running
                 else:  # this step's tokens are in flight: look up without them (see _step's start)
                     self._propose_next = self.speculator.would_propose(requests)
+            elif self.speculator.wants_shadow():
+                self.speculator.shadow(requests)  # for the governor: would speculating pay now?
         t6 = clock()
         times.schedule, times.prepare, times.forward = t1 - t0, t2 - t1_loaded, t3 - t2
         times.sample, times.update, times.propose = t4 - t3, t5 - t4, t6 - t5

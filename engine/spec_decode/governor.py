@@ -46,6 +46,25 @@ The rule:
   about BURST / MAX_PAUSE of its steps exploring, and a change (another mix
   of requests, another acceptance) is seen within a few hundred steps.
 
+- A burst of SPECULATE under a PLAIN leader costs what speculating loses
+  (on answers that quote nothing, at batch 64: half of each step), and a
+  draining batch pays it again in every group it reaches. So such a burst
+  runs only when speculating may have come to pay: in the leader steps
+  before it, the proposer is asked now and then for the drafts it would
+  propose (a shadow lookup; prompt lookup only, where asking costs
+  microseconds and changes nothing), and they are checked against the
+  tokens the plain steps then produce. A draft token the target would
+  have accepted is one that plain decoding produced (for greedy requests
+  exactly; for sampled ones with the same probability, since the
+  rejection sampler accepts a point-mass draft with the target's
+  probability of it). The shadow's tokens a row, against the tokens a
+  row SPECULATE had when it was last compared with PLAIN (in this group
+  or the nearest that was), scale that comparison's ratio; a burst whose
+  predicted ratio is below 1 - SHADOW_SLACK is skipped as if the leader
+  had held, at most MAX_SKIPPED times in a row (the prediction is a
+  model: a burst still runs now and then). Without shadow data the burst
+  runs, as before.
+
 Nothing here changes what is sampled: a step either verifies drafts, which
 keeps the target's distribution, or decodes plainly.
 """
@@ -58,7 +77,7 @@ from typing import Optional
 @dataclass(frozen=True)
 class GovernorSettings:
     burst: int = 5  # steps of the other policy per exploration, the first unmeasured
-    first_pause: int = 16  # leader steps before a group's first burst
+    first_pause: int = 8  # leader steps before a group's first burst
     max_pause: int = 256  # the pause doubles up to this while the leader holds
     margin: float = 0.03  # the other policy leads once it is this much faster
     wide_margin: float = 0.25  # a leader this much faster than the burst quadruples the pause
@@ -68,6 +87,13 @@ class GovernorSettings:
     # A step this many times longer than its policy's mean is not measured
     # (a garbage-collection pause, a first compile, an idle engine).
     outlier: float = 10.0
+    # Shadow lookups (module docstring): in the last shadow_window leader
+    # steps before a SPECULATE burst is due, one in shadow_every.
+    shadow_window: int = 16
+    shadow_every: int = 4
+    shadow_slack: float = 0.1  # a burst runs when its predicted ratio is at least 1 - this
+    max_skipped: int = 4  # bursts skipped in a row before one runs anyway
+    shadow_decay: float = 0.8  # each resolved shadow lookup's weight decays by this per newer one
 
 
 SPECULATE, PLAIN = True, False
@@ -113,6 +139,13 @@ class _Group:
     until_burst: int = 0  # leader steps before the next burst
     pause: int = 0
     leads_changed: int = 0  # how often the leader changed (metrics, tests)
+    # SPECULATE's measured steps: tokens and sampled rows ("seconds" holds the rows).
+    spec_rows: _Rate = field(default_factory=_Rate)
+    # The last comparison of the two policies: SPECULATE's rate over PLAIN's
+    # (0: none yet) and SPECULATE's tokens a row then.
+    spec_vs_plain: float = 0.0
+    spec_tokens_per_row: float = 0.0
+    skipped: int = 0  # SPECULATE bursts skipped in a row on the shadow's prediction
 
 
 @dataclass
@@ -132,6 +165,8 @@ class GovernorCounts:
     speculate_steps: int = 0  # decode steps decided to speculate
     plain_steps: int = 0  # decode steps decided to decode plainly
     leader_changes: int = 0
+    skipped_bursts: int = 0  # SPECULATE bursts the shadow lookups predicted to lose
+    shadow_lookups: int = 0
 
 
 class SpeculationGovernor:
@@ -139,9 +174,14 @@ class SpeculationGovernor:
         self.settings = settings
         self._groups: dict[int, _Group] = {}
         self._decided: Optional[_Decided] = None  # the policy in force for the next step
-        # The last step: its decision, tokens, start, and whether it verified drafts.
-        self._ran: Optional[tuple[_Decided, int, float, bool]] = None
+        # The last step: its decision, tokens, start, whether it verified drafts, its sampled rows.
+        self._ran: Optional[tuple[_Decided, int, float, bool, int]] = None
         self.counts = GovernorCounts()
+        # Resolved shadow lookups: tokens a speculating step would have
+        # emitted, over their rows ("seconds" holds the rows), decayed per lookup.
+        self._shadow = _Rate()
+        self._shadow_fresh = 0  # lookups resolved since the last burst was decided on them
+        self._wants_shadow = False
 
     @staticmethod
     def group_of(num_running: int) -> int:
@@ -163,10 +203,17 @@ class SpeculationGovernor:
             group.back_from_burst = group.burst_left == 0
             self._decided = _Decided(key, not group.leader, step)
             return not group.leader
+        self._wants_shadow = False
         group.until_burst -= 1
         if group.until_burst < 0:
             if group.burst_open:  # the last one's final step went unmeasured (a prompt chunk came)
                 self._burst_over(group, not group.leader)
+            if group.leader == PLAIN and self._skips_burst(key, group):
+                group.pause = min(group.pause * 2, s.max_pause)
+                group.until_burst = group.pause
+                self._decided = _Decided(key, group.leader, None)
+                return group.leader
+            group.skipped = 0
             group.burst_rate = _Rate()
             group.burst_left = s.burst - 1
             group.burst_open = True
@@ -175,7 +222,49 @@ class SpeculationGovernor:
             return not group.leader
         self._decided = _Decided(key, group.leader, None, transition=group.back_from_burst)
         group.back_from_burst = False
+        self._wants_shadow = (group.leader == PLAIN and group.until_burst < s.shadow_window
+                              and group.until_burst % s.shadow_every == 0)
         return group.leader
+
+    def wants_shadow(self) -> bool:
+        """Whether the step just decided (PLAIN, a burst of SPECULATE coming)
+        should also ask the proposer what it would have proposed, to be
+        checked later (shadow_resolved): the module docstring."""
+        return self._wants_shadow
+
+    def shadow_resolved(self, tokens: int, rows: int) -> None:
+        """A shadow lookup over `rows` requests, checked against the tokens
+        that followed: a speculating step would have emitted `tokens`."""
+        if rows > 0:
+            self._shadow.add(tokens, rows, self.settings.shadow_decay)
+            self._shadow_fresh += 1
+            self.counts.shadow_lookups += 1
+
+    @property
+    def shadow_tokens_per_row(self) -> float:
+        """What the resolved shadow lookups say a speculating step would emit
+        a row (recent lookups weigh most); 0 before any."""
+        return self._shadow.per_second
+
+    def _skips_burst(self, key: int, group: _Group) -> bool:
+        """Whether the SPECULATE burst now due is predicted to lose by more
+        than the slack (module docstring); a skip is counted."""
+        s = self.settings
+        fresh, self._shadow_fresh = self._shadow_fresh, 0
+        if not fresh or group.skipped >= s.max_skipped:
+            return False
+        compared = [(abs(k - key), -k, g) for k, g in self._groups.items() if g.spec_vs_plain > 0]
+        if not compared:
+            return False
+        then = min(compared, key=lambda c: c[:2])[2]
+        if then.spec_tokens_per_row <= 0:
+            return False
+        predicted = then.spec_vs_plain * self.shadow_tokens_per_row / then.spec_tokens_per_row
+        if predicted >= 1.0 - s.shadow_slack:
+            return False
+        group.skipped += 1
+        self.counts.skipped_bursts += 1
+        return True
 
     def _nearest_leader(self, key: int) -> bool:
         """The leader of the nearest group that measured its leader (the larger on a tie); SPECULATE if none."""
@@ -193,30 +282,34 @@ class SpeculationGovernor:
         ran, self._ran = self._ran, None
         if ran is None:
             return
-        decided, tokens, start, verified = ran
-        self._measure(decided, tokens, now - start, verified)
+        decided, tokens, start, verified, rows = ran
+        self._measure(decided, tokens, now - start, verified, rows)
 
-    def step_ran(self, start: float, decode_only: bool, tokens: int, verified: bool) -> None:
+    def step_ran(self, start: float, decode_only: bool, tokens: int, verified: bool, rows: int = 0) -> None:
         """The step begun at `start` ran under the last decision: `tokens`
-        tokens for its requests, `verified` whether it carried drafts. Only
-        decode-only steps are measured (a SPECULATE step without drafts as
-        its overhead, _add); its time is known when the next one starts."""
+        tokens for its `rows` sampled requests, `verified` whether it carried
+        drafts. Only decode-only steps are measured (a SPECULATE step without
+        drafts as its overhead, _add); its time is known when the next one
+        starts."""
         decided, self._decided = self._decided, None
+        self._wants_shadow = False
         if decided is None or not decode_only or tokens <= 0:
             return
         if decided.policy:
             self.counts.speculate_steps += 1
         else:
             self.counts.plain_steps += 1
-        self._ran = (decided, tokens, start, verified)
+        self._ran = (decided, tokens, start, verified, rows)
 
-    def _measure(self, decided: _Decided, tokens: int, seconds: float, verified: bool) -> None:
+    def _measure(self, decided: _Decided, tokens: int, seconds: float, verified: bool, rows: int) -> None:
         s = self.settings
         group = self._groups[decided.group]
         steps = group.step_seconds[decided.policy]
         if steps.steps >= 3 and seconds > s.outlier * steps.mean_seconds:
             return  # a pause, not the policy's cost
         steps.add(1, seconds, s.decay)
+        if decided.policy == SPECULATE and rows > 0:
+            group.spec_rows.add(tokens, rows, s.decay)
         if decided.burst_step is None:
             if decided.transition or decided.policy != group.leader:  # or the leader changed since
                 return
@@ -250,6 +343,10 @@ class SpeculationGovernor:
         group.burst_open = False
         if policy == PLAIN and burst.steps:
             group.plain_per_second = burst.per_second
+        if leader.per_second > 0 and burst.per_second > 0 and group.spec_rows.seconds > 0:
+            spec, plain = (burst, leader) if policy == SPECULATE else (leader, burst)
+            group.spec_vs_plain = spec.per_second / plain.per_second
+            group.spec_tokens_per_row = group.spec_rows.per_second
         if leader.steps and burst.steps and leader.per_second > burst.per_second * (1.0 + s.wide_margin):
             group.pause = min(group.pause * 4, s.max_pause)
         else:

@@ -64,6 +64,7 @@ class Speculator:
         self.proposer = proposer
         self.max_model_len = 2**31 - 1
         self.governor: Optional[SpeculationGovernor] = SpeculationGovernor() if config.adaptive else None
+        self._shadows: list[_ShadowLookup] = []  # shadow lookups not yet checked (shadow())
 
     @classmethod
     def create(cls, config: EngineConfig, target: ModelInfo) -> "Speculator":
@@ -121,7 +122,62 @@ class Speculator:
             decode_only = len(plan.sampled) == plan.num_entries and \
                 plan.num_scheduled_tokens == plan.num_logits_rows
             self.governor.step_ran(start, decode_only, len(plan.sampled) + num_accepted,
-                                   verified=bool(plan.num_draft_tokens))
+                                   verified=bool(plan.num_draft_tokens), rows=len(plan.sampled))
+            if self._shadows:
+                self.check_shadows()
+
+    def wants_shadow(self) -> bool:
+        """Whether the engine should call shadow() for the step just decided
+        plain: the governor asks (governor.py), and the proposer can be asked
+        without changing anything."""
+        return self.governor is not None and self.can_probe and self.governor.wants_shadow()
+
+    def shadow(self, requests: Sequence[Request]) -> None:
+        """Ask the proposer what it would propose for `requests` now, without
+        proposing; once the tokens that follow are known (check_shadows),
+        the governor learns what a speculating step would have emitted."""
+        running = [r for r in requests if r.status is RequestStatus.RUNNING]
+        if not running or len(self._shadows) >= MAX_SHADOWS:
+            return
+        chosen, ks = self._chosen(running)
+        proposals = self.proposer.propose(chosen, ks) if chosen else []
+        pending = [(r, r.num_tokens, d) for r, d in zip(chosen, proposals) if d]
+        # A row without drafts emits one token, as a plain step's.
+        self._shadows.append(_ShadowLookup(rows=len(running), tokens=len(running) - len(pending),
+                                           pending=pending))
+        self.check_shadows()
+
+    def check_shadows(self) -> None:
+        """Each shadow lookup whose drafts can all be checked now goes to the
+        governor: a row emits 1 + the drafts that match what followed, as
+        the rejection sampler would accept them, the target's own token after
+        them included (governor.py). A request that ended first counts no
+        more than the tokens it had; one that went back to the queue waits.
+        A lookup not complete after MAX_SHADOW_STEPS checks is dropped."""
+        kept = []
+        for lookup in self._shadows:
+            lookup.checks += 1
+            still = []
+            for request, at, drafts in lookup.pending:
+                followed = request.all_token_ids[at:at + len(drafts)]
+                if len(followed) < len(drafts) and not request.is_finished:
+                    still.append((request, at, drafts))
+                    continue
+                matched = 0
+                for drafted, came in zip(drafts, followed):
+                    if drafted != came:
+                        break
+                    matched += 1
+                emitted = 1 + matched
+                if request.is_finished:
+                    emitted = min(emitted, max(request.num_tokens - at, 1))
+                lookup.tokens += emitted
+            lookup.pending = still
+            if not still:
+                self.governor.shadow_resolved(lookup.tokens, lookup.rows)
+            elif lookup.checks < MAX_SHADOW_STEPS:
+                kept.append(lookup)
+        self._shadows = kept
 
     def propose(self, requests: Sequence[Request]) -> None:
         """Set spec_token_ids of each running request in `requests` that speculates."""
@@ -157,6 +213,23 @@ class Speculator:
                 chosen.append(request)
                 ks.append(k)
         return chosen, ks
+
+
+# Shadow lookups in flight at most, and the checks (one a step) before one is dropped.
+MAX_SHADOWS = 8
+MAX_SHADOW_STEPS = 32
+
+
+@dataclasses.dataclass
+class _ShadowLookup:
+    """One shadow lookup (Speculator.shadow): its rows, the tokens counted so
+    far, and the drafts not yet checked: (request, position of the first
+    draft, drafts)."""
+
+    rows: int
+    tokens: int
+    pending: list
+    checks: int = 0
 
 
 def _load_draft(config: EngineConfig, target: ModelInfo):

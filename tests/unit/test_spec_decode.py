@@ -292,3 +292,72 @@ def test_the_governor_stops_speculating_where_drafts_are_rejected(workload, tmp_
                 for p in ("speculate", "plain")]
     assert exported == [speculate, plain]
     assert REGISTRY.get_sample_value("tandem:spec_decode_governor_changes_total", labels) == changes
+
+
+def test_shadow_lookups_see_what_speculating_would_accept_and_change_no_token(workload):
+    """A governor that has seen speculation lose at batch 1 (steps given as
+    data: a third of plain's rate, one token a row) decodes plainly and,
+    before its next burst of speculation, looks up drafts in the shadow:
+    asked every step here (its settings). The answer starts by copying its
+    prompt, so each of the first lookups must count 5 tokens: 4 drafts, all
+    of them what plain decoding then produced, and the target's own token
+    after them. A lookup checked one position off would count 1. Under
+    asynchronous scheduling, where the lookup runs one token behind; and
+    the output is the engine's own."""
+    from tandem.engine.spec_decode.governor import GovernorSettings, SpeculationGovernor
+
+    prompts, _, _ = workload
+    llm = LLM(speculative_config={k: v for k, v in NGRAM.items() if k != "adaptive"}, async_scheduling="on")
+    governor = SpeculationGovernor(GovernorSettings(shadow_window=10_000, shadow_every=1))
+    clock = 0.0
+    for _ in range(40):  # speculation: 1 token in 3 ms; plain: 1 in 1 ms
+        policy = governor.decide(1)
+        governor.step_started(clock)
+        governor.step_ran(clock, True, 1, policy, rows=1)
+        clock += 3e-3 if policy else 1e-3
+    governor.step_started(clock)
+    assert governor.leaders() == {1: False}
+    resolved: list[tuple[int, int]] = []
+    record = governor.shadow_resolved
+
+    def recorded(tokens: int, rows: int) -> None:
+        resolved.append((tokens, rows))
+        record(tokens, rows)
+
+    governor.shadow_resolved = recorded
+    llm.engine.speculator.governor = governor
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    ours = llm.generate([prompts[0]], params)[0].outputs[0].token_ids
+    assert resolved[:3] == [(5, 1)] * 3
+    assert governor.counts.skipped_bursts == 0, "a shadow that sees drafts accepted lets the burst run"
+    base = LLM(async_scheduling="on")
+    assert ours == base.generate([prompts[0]], params)[0].outputs[0].token_ids
+
+
+def test_the_step_after_a_request_finishes_is_decided_for_the_batch_that_ran(workload):
+    """Two requests, one ending long before the other: each step's decision
+    for the next is made for the batch that step ran (its sampled
+    requests), so the step in which the short one ends still decides for 2,
+    not 1: in a server a newcomer takes its place next."""
+    prompts, _, _ = workload
+    llm = LLM(speculative_config={k: v for k, v in NGRAM.items() if k != "adaptive"})
+    speculator = llm.engine.speculator
+    governor = speculator.governor
+    decided: list[int] = []
+    ran: list[int] = []
+    decide, step_ran = governor.decide, speculator.step_ran
+
+    def recorded_decide(num_running: int) -> bool:
+        decided.append(num_running)
+        return decide(num_running)
+
+    def recorded_step(start: float, plan, num_accepted: int) -> None:
+        ran.append(len(plan.sampled))
+        step_ran(start, plan, num_accepted)
+
+    governor.decide, speculator.step_ran = recorded_decide, recorded_step
+    params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)]
+    llm.generate([prompts[1], prompts[4]], params)
+    assert 2 in ran and 1 in ran
+    assert decided == ran

@@ -40,9 +40,9 @@ def test_it_keeps_speculating_where_speculation_is_faster():
     policies = run_steps(g, 600, 1, by_rate(2000.0, 1000.0, batch=1), [0.0])
     assert g.leaders() == {1: True}
     assert g.counts.leader_changes == 0
-    # Only the bursts explore: 5 steps after 16 leader steps, then (the leader
-    # twice as fast, so the pause quadruples) after 64, then 256.
-    assert policies.count(False) == 5 * 3
+    # Only the bursts explore: 5 steps after 8 leader steps, then (the leader
+    # twice as fast, so the pause quadruples) after 32, 128, then 256.
+    assert policies.count(False) == 5 * 4
     assert policies[-100:].count(False) <= 5
 
 
@@ -51,8 +51,8 @@ def test_it_stops_speculating_where_plain_decoding_is_faster_and_explores_less_a
     policies = run_steps(g, 2000, 64, by_rate(900.0, 1000.0, batch=64), [0.0])
     assert g.leaders() == {64: False}
     assert g.counts.leader_changes == 1
-    assert policies[:16] == [True] * 16, "it starts with what the user asked for"
-    assert policies[16:21] == [False] * 5, "then tries the other policy for a burst"
+    assert policies[:8] == [True] * 8, "it starts with what the user asked for"
+    assert policies[8:13] == [False] * 5, "then tries the other policy for a burst"
     assert policies[-1000:].count(True) <= 4 * 5, "a burst of 5 every 256 steps at most, once settled"
     # A 3% margin: 10% faster wins, 2% faster does not flip a leader.
     g2 = SpeculationGovernor()
@@ -79,8 +79,8 @@ def test_a_new_batch_size_starts_with_the_nearest_measured_choice():
     clock = [0.0]
     run_steps(g, 200, 64, by_rate(800.0, 1000.0, batch=64), clock)
     assert g.leaders() == {64: False}
-    policies = run_steps(g, 10, 40, by_rate(800.0, 1000.0, batch=40), clock)
-    assert policies == [False] * 10, "32-63 took 64-127's choice"
+    policies = run_steps(g, 8, 40, by_rate(800.0, 1000.0, batch=40), clock)
+    assert policies == [False] * 8, "32-63 took 64-127's choice"
     run_steps(g, 300, 20, by_rate(2000.0, 1000.0, batch=20), clock)
     assert g.leaders() == {16: True, 32: False, 64: False}, "and 16-31 learned its own"
     assert SpeculationGovernor().decide(8) is True, "with nothing measured: speculate"
@@ -198,3 +198,109 @@ def test_forget_decision_measures_nothing_of_the_next_step():
     g.step_ran(0.0, True, 10, True)
     g.step_started(1.0)
     assert g.counts.speculate_steps == g.counts.plain_steps == 0
+
+
+# ---- shadow lookups: bursts of speculation predicted to lose are skipped ----
+
+def per_row(tokens_a_row: list[float], batch: int = 64):
+    """Speculating costs 3 ms a step and emits tokens_a_row[0] tokens a row
+    (a list, so a test can change it); plain decoding 1.25 ms and one a row.
+    At 1.2 tokens a row speculation runs at half plain's rate."""
+    def cost(policy: bool) -> tuple[int, float]:
+        if policy:
+            return round(batch * tokens_a_row[0]), 3e-3
+        return batch, 1.25e-3
+    return cost
+
+
+def run_with_shadow(governor: SpeculationGovernor, steps: int, cost, shadow_tokens_a_row: list[float],
+                    clock: list[float], batch: int = 64) -> list[bool]:
+    """run_steps, with each shadow lookup the governor asks for resolved at
+    once: a speculating step would have emitted shadow_tokens_a_row[0] a row."""
+    policies = []
+    for _ in range(steps):
+        policy = governor.decide(batch)
+        if governor.wants_shadow():
+            governor.shadow_resolved(round(batch * shadow_tokens_a_row[0]), batch)
+        policies.append(policy)
+        governor.step_started(clock[0])
+        tokens, seconds = cost(policy)
+        governor.step_ran(clock[0], True, tokens, policy, rows=batch)
+        clock[0] += seconds
+    governor.step_started(clock[0])
+    return policies
+
+
+def test_a_burst_the_shadow_predicts_to_lose_is_skipped_but_not_forever():
+    """Answers that quote nothing: speculating runs at half plain's rate, and
+    the shadow lookups see the same 1.2 tokens a row it had then. Bursts of
+    speculation would only lose again, so most are skipped; one in
+    max_skipped + 1 still runs."""
+    tokens = [1.2]
+    g = SpeculationGovernor()
+    policies = run_with_shadow(g, 4000, per_row(tokens), tokens, [0.0])
+    assert g.leaders() == {64: False}
+    assert g.counts.shadow_lookups > 0 and g.counts.skipped_bursts >= 4
+    settled = policies[-2600:]
+    assert 1 <= sum(1 for a, b in zip(settled, settled[1:]) if b and not a) <= 2, \
+        "a burst every (max_skipped + 1) x 256 leader steps"
+    # The same without shadow data: every due burst runs.
+    g = SpeculationGovernor()
+    policies = run_steps(g, 4000, 64, per_row(tokens), [0.0])
+    assert g.counts.skipped_bursts == 0
+    assert policies[-2600:].count(True) >= 5 * 9
+
+
+def test_a_burst_runs_once_the_shadow_sees_drafts_accepted():
+    """Plain leads while speculation loses; then the answers start quoting
+    their prompts (3.5 tokens a row: speculation 1.46x plain). The shadow
+    sees it, the next due burst runs, and speculation leads again long
+    before the skip limit would have forced a burst."""
+    tokens = [1.2]
+    g = SpeculationGovernor()
+    clock = [0.0]
+    run_with_shadow(g, 2000, per_row(tokens), tokens, clock)
+    assert g.leaders() == {64: False}
+    skipped = g.counts.skipped_bursts
+    assert skipped >= 2
+    tokens[0] = 3.5
+    policies = run_with_shadow(g, 600, per_row(tokens), tokens, clock)
+    assert g.leaders() == {64: True}
+    assert policies[-100:].count(True) >= 90
+    assert g.counts.skipped_bursts == skipped, "no burst skipped once the shadow predicts a gain"
+
+
+def test_a_shadow_lookup_counts_what_verifying_its_drafts_would_emit():
+    """Speculator.shadow on real requests and prompt lookup: a row emits one
+    token plus the drafts that match the tokens that then came, counted
+    only once all of them came (or the request ended); a row without drafts
+    emits one. Nothing is proposed to the requests themselves."""
+    from tandem.engine.request import Request, RequestStatus, SamplingParams
+    from tandem.engine.spec_decode.config import SpeculativeConfig
+    from tandem.engine.spec_decode.ngram_proposer import NgramProposer
+    from tandem.engine.spec_decode.speculator import Speculator
+
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2,
+                               prompt_lookup_max=4)
+    speculator = Speculator(config, NgramProposer(2, 4))
+    params = SamplingParams(temperature=0, max_tokens=50)
+    quoting = Request("quoting", [1, 2, 3, 4, 5, 6, 1, 2, 3], params)  # looks up 4, 5, 6, 1
+    fresh = Request("fresh", [7, 8, 9, 10], params)  # nothing to look up
+    ending = Request("ending", [11, 12, 13, 11, 12], params)  # looks up 13, 11, 12, 13
+    for r in (quoting, fresh, ending):
+        r.status = RequestStatus.RUNNING
+    speculator.shadow([quoting, fresh, ending])
+    assert quoting.spec_token_ids == [] and ending.spec_token_ids == []
+    governor = speculator.governor
+    for token in (4, 5):
+        quoting.append_token(token)
+    ending.append_token(13)
+    ending.status = RequestStatus.FINISHED_STOPPED  # its one token matched, then it ended
+    speculator.check_shadows()
+    assert governor.counts.shadow_lookups == 0, "two of quoting's four drafts are still to come"
+    for token in (9, 1):  # the third draft (6) misses
+        quoting.append_token(token)
+    speculator.check_shadows()
+    assert governor.counts.shadow_lookups == 1
+    # quoting: 1 + 2 matched; fresh: 1; ending: its one token (1 + 1 matched, cut where it ended).
+    assert governor.shadow_tokens_per_row == (3 + 1 + 1) / 3
