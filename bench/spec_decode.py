@@ -175,6 +175,10 @@ class SpecResult:
     governed_speculate_steps: int = 0  # adaptive: decode steps the governor let speculate
     governed_plain_steps: int = 0
     governor_leaders: dict = field(default_factory=dict)  # batch group -> speculating, at the run's end
+    # adaptive: the engine's totals so far of bursts of speculation skipped on
+    # the shadow lookups' prediction, and of shadow lookups checked
+    governor_skipped_bursts: int = 0
+    governor_shadow_lookups: int = 0
 
     @property
     def speculating_share(self) -> Optional[float]:
@@ -302,6 +306,8 @@ def _result(engine, before, setting: str, batch: int, produced: int, decode_toke
     governor = engine.speculator.governor if engine.speculator is not None else None
     if governor is not None:
         result.governor_leaders = governor.leaders()
+        result.governor_skipped_bursts = governor.counts.skipped_bursts
+        result.governor_shadow_lookups = governor.counts.shadow_lookups
     return result
 
 
@@ -451,7 +457,9 @@ def run(args: argparse.Namespace) -> int:
                 results.append(result)
                 share = result.speculating_share
                 governed = "" if share is None else (f", governor: {share:.0%} of decode steps speculating, "
-                                                     f"choices at the end {result.governor_leaders}")
+                                                     f"choices at the end {result.governor_leaders}, "
+                                                     f"bursts skipped so far {result.governor_skipped_bursts} "
+                                                     f"(shadow lookups {result.governor_shadow_lookups})")
                 print(f"round {round_} {name} batch {batch}: {result.decode_tokens_per_s:.1f} decode tok/s, "
                       f"acceptance {result.acceptance_rate:.2f}, {result.tokens_per_step:.2f} tokens/step"
                       f"{governed}", file=sys.stderr)
