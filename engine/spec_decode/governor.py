@@ -63,7 +63,10 @@ The rule:
   predicted ratio is below 1 - SHADOW_SLACK is skipped as if the leader
   had held, at most MAX_SKIPPED times in a row (the prediction is a
   model: a burst still runs now and then). Without shadow data the burst
-  runs, as before.
+  runs, as before; so does the first burst after PLAIN took the lead (a
+  new group inherits its neighbour's count): one comparison can be
+  noise (a lease's host drifts by tens of percent between rounds), and
+  skipping on it would keep a wrong PLAIN for over a thousand steps.
 
 Nothing here changes what is sampled: a step either verifies drafts, which
 keeps the target's distribution, or decodes plainly.
@@ -146,6 +149,7 @@ class _Group:
     spec_vs_plain: float = 0.0
     spec_tokens_per_row: float = 0.0
     skipped: int = 0  # SPECULATE bursts skipped in a row on the shadow's prediction
+    held: int = 0  # bursts the leader has won since it took the lead (or its neighbour's, inherited)
 
 
 @dataclass
@@ -195,8 +199,10 @@ class SpeculationGovernor:
         key = self.group_of(num_running)
         group = self._groups.get(key)
         if group is None:
-            group = self._groups[key] = _Group(leader=self._nearest_leader(key), until_burst=s.first_pause,
-                                               pause=s.first_pause)
+            nearest = self._nearest_measured(key)
+            group = self._groups[key] = _Group(leader=nearest.leader if nearest else SPECULATE,
+                                               held=nearest.held if nearest else 0,
+                                               until_burst=s.first_pause, pause=s.first_pause)
         if group.burst_left > 0:
             step = s.burst - group.burst_left
             group.burst_left -= 1
@@ -251,7 +257,7 @@ class SpeculationGovernor:
         than the slack (module docstring); a skip is counted."""
         s = self.settings
         fresh, self._shadow_fresh = self._shadow_fresh, 0
-        if not fresh or group.skipped >= s.max_skipped:
+        if not fresh or group.skipped >= s.max_skipped or group.held < 1:
             return False
         compared = [(abs(k - key), -k, g) for k, g in self._groups.items() if g.spec_vs_plain > 0]
         if not compared:
@@ -266,10 +272,10 @@ class SpeculationGovernor:
         self.counts.skipped_bursts += 1
         return True
 
-    def _nearest_leader(self, key: int) -> bool:
-        """The leader of the nearest group that measured its leader (the larger on a tie); SPECULATE if none."""
-        known = [(abs(k - key), -k, g.leader) for k, g in self._groups.items() if g.leader_rate.steps]
-        return min(known)[2] if known else SPECULATE
+    def _nearest_measured(self, key: int) -> Optional[_Group]:
+        """The nearest group that measured its leader (the larger on a tie); None if none."""
+        known = [(abs(k - key), -k) for k, g in self._groups.items() if g.leader_rate.steps]
+        return self._groups[-min(known)[1]] if known else None
 
     def forget_decision(self) -> None:
         """The next step is not one the governor decided (speculation was
@@ -352,12 +358,14 @@ class SpeculationGovernor:
         else:
             group.pause = min(group.pause * 2, s.max_pause)
         group.until_burst = group.pause
+        group.held += 1  # undone below if the burst's policy takes the lead
         if leader.steps and burst.steps and burst.per_second > leader.per_second * (1.0 + s.margin):
             group.leader = policy
             group.leader_rate, group.burst_rate = burst, _Rate()
             group.pause = s.first_pause
             group.until_burst = s.first_pause
             group.leads_changed += 1
+            group.held = 0
             self.counts.leader_changes += 1
             # The step after the burst was decided before this (its time was not
             # known yet) under the old leader: the next is a switch again.

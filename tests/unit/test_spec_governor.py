@@ -304,3 +304,29 @@ def test_a_shadow_lookup_counts_what_verifying_its_drafts_would_emit():
     assert governor.counts.shadow_lookups == 1
     # quoting: 1 + 2 matched; fresh: 1; ending: its one token (1 + 1 matched, cut where it ended).
     assert governor.shadow_tokens_per_row == (3 + 1 + 1) / 3
+
+
+def test_the_first_burst_after_plain_takes_the_lead_runs_whatever_the_shadow_says():
+    """Speculation is 1.46x plain (3.5 tokens a row), but the first plain
+    burst runs on a fast moment of the host (its steps 4x faster) and takes
+    the lead. The shadow then sees the same 3.5 tokens a row speculation had
+    at that comparison, so it predicts the loss measured then; one
+    comparison can be noise, so the next burst still runs, and speculation
+    takes the lead back."""
+    tokens = [3.5]
+    cost = per_row(tokens)
+    plain_steps = {"n": 0}
+
+    def fast_first_plain_burst(policy: bool) -> tuple[int, float]:
+        n_tokens, seconds = cost(policy)
+        if not policy:
+            plain_steps["n"] += 1
+            if plain_steps["n"] <= 5:
+                seconds /= 4
+        return n_tokens, seconds
+
+    g = SpeculationGovernor()
+    policies = run_with_shadow(g, 200, fast_first_plain_burst, tokens, [0.0])
+    assert policies[8:13] == [False] * 5 and g.counts.leader_changes == 2
+    assert g.leaders() == {64: True}
+    assert policies[-100:].count(True) >= 90
