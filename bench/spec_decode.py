@@ -179,6 +179,7 @@ class SpecResult:
     # the shadow lookups' prediction, and of shadow lookups checked
     governor_skipped_bursts: int = 0
     governor_shadow_lookups: int = 0
+    governor_report: list = field(default_factory=list)  # SpeculationGovernor.report() at the run's end
 
     @property
     def speculating_share(self) -> Optional[float]:
@@ -308,6 +309,7 @@ def _result(engine, before, setting: str, batch: int, produced: int, decode_toke
         result.governor_leaders = governor.leaders()
         result.governor_skipped_bursts = governor.counts.skipped_bursts
         result.governor_shadow_lookups = governor.counts.shadow_lookups
+        result.governor_report = governor.report()
     return result
 
 
@@ -465,6 +467,8 @@ def run(args: argparse.Namespace) -> int:
                       f"{governed}", file=sys.stderr)
                 print(f"  verifying steps: {result.verifying_steps.line()}; {result.verify_graph_replays} "
                       f"replayed a CUDA graph\n  plain steps: {result.plain_steps.line()}", file=sys.stderr)
+                for line in result.governor_report:
+                    print(f"  governor {line}", file=sys.stderr)
             if args.profile_steps > 0 and round_ == 0:
                 prompts = _prompts(llm, max(batch_sizes), not args.no_chat_template, args.workload)
                 print(f"{name} batch {max(batch_sizes)}:\n"

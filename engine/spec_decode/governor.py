@@ -371,6 +371,21 @@ class SpeculationGovernor:
             # known yet) under the old leader: the next is a switch again.
             group.back_from_burst = True
 
+    def report(self) -> list[str]:
+        """One line per group, smallest batch first: its leader, the leader's
+        recent rate, PLAIN's last rate, the last comparison and its tokens a
+        row, the bursts skipped in a row and the changes of lead (the
+        benchmark prints it: why a group chose what it did)."""
+        lines = []
+        for key, g in sorted(self._groups.items()):
+            lines.append(f"batch {1 << (key - 1)}+: {'speculate' if g.leader else 'plain'}, "
+                         f"leader {g.leader_rate.per_second:.0f} tok/s over {g.leader_rate.steps} steps, "
+                         f"plain last {g.plain_per_second:.0f}, speculate/plain at the last comparison "
+                         f"{g.spec_vs_plain:.2f} at {g.spec_tokens_per_row:.2f} tokens a row, "
+                         f"skipped {g.skipped}, held {g.held}, changes {g.leads_changed}")
+        lines.append(f"shadow: {self.shadow_tokens_per_row:.2f} tokens a row over {self.counts.shadow_lookups} lookups")
+        return lines
+
     def leaders(self) -> dict[int, bool]:
         """Each group's leader by its smallest batch (1, 2, 4, ...): True if it speculates."""
         return {1 << (key - 1): g.leader for key, g in sorted(self._groups.items())}

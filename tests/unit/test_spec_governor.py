@@ -51,6 +51,7 @@ def test_it_stops_speculating_where_plain_decoding_is_faster_and_explores_less_a
     policies = run_steps(g, 2000, 64, by_rate(900.0, 1000.0, batch=64), [0.0])
     assert g.leaders() == {64: False}
     assert g.counts.leader_changes == 1
+    assert g.report()[0].startswith("batch 64+: plain, leader 1000 tok/s")
     assert policies[:8] == [True] * 8, "it starts with what the user asked for"
     assert policies[8:13] == [False] * 5, "then tries the other policy for a burst"
     assert policies[-1000:].count(True) <= 4 * 5, "a burst of 5 every 256 steps at most, once settled"
