@@ -400,6 +400,13 @@ class LLMEngine:
                 self._forget_finished(inflight.requests)
                 self.speculator.propose(inflight.requests)
                 inflight = None
+        if self.speculator is not None and self.speculator.drafts_pending:
+            # Drafts proposed at the end of the step before: whether this step
+            # also carries a prompt chunk is known only now, after the
+            # arrivals, and such steps are measured apart (governor.py).
+            self.speculator.drafts_pending = False
+            if scheduler.has_prompt_work() and not self.speculator.keep_drafts_beside_prompt():
+                scheduler.drop_drafts()
         plan = scheduler.schedule()
         if self.speculator is not None:
             self.speculator.forget(plan.freed_request_ids)  # preempted ones (the rest went already)

@@ -105,6 +105,19 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self.staging)
 
+    def has_prompt_work(self) -> bool:
+        """Whether the next plan is likely to carry a prompt chunk: a request
+        waits, or a running one has part of its prompt still to compute
+        (speculative decoding measures such steps apart)."""
+        return bool(self.waiting or self.staging) or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in self.running)
+
+    def drop_drafts(self) -> None:
+        """The running requests' proposals go unused: the next plan decodes
+        them plainly."""
+        for r in self.running:
+            r.spec_token_ids = NO_DRAFTS
+
     def waiting_requests(self) -> Iterable[Request]:
         yield from self.staging
         yield from self.waiting

@@ -21,10 +21,23 @@ The rule:
   group that has measured one (costs change smoothly with the batch, and a
   batch draining from 64 to 1 would otherwise pay to learn each size
   afresh), and SPECULATE when there is none: the user asked for it.
-- Only decode steps are measured (no prompt chunk in them): their tokens
-  (a plain row one, a verified row one plus its accepted drafts) and the
-  wall time from their start to the next step's start, which counts the
-  host's work and the device's, overlapped or not, once each.
+- A step's tokens (a plain row one, a verified row one plus its accepted
+  drafts) and the wall time from its start to the next step's start, which
+  counts the host's work and the device's, overlapped or not, once each,
+  are its measure.
+- Steps that carry a prompt chunk beside the decodes are their own groups
+  (keyed by the negated batch group, with their own leaders, bursts and
+  pauses). Verifying beside a chunk costs more than verifying alone (on
+  the H200, SmolLM2 at batch 64: 4.05 ms a step against 1.60 ms plain) and
+  a batch with arrivals has such steps all along, so one rate for both
+  kinds would let the cheap decode-only steps pay for the dear ones. The
+  decode decision is made at the end of the step before (the drafts are
+  proposed then); whether the next step carries a prompt chunk is known
+  only at its start, after the arrivals, and then the engine asks
+  decide_beside_prompt(), which replaces the decision and may drop the
+  drafts. A step is measured only as the kind it was decided as; one that
+  turned out otherwise (a chunk expected and none scheduled, or the
+  reverse) is not measured.
 - Under SPECULATE a step where the proposer found no drafts decodes what
   PLAIN would, at PLAIN's cost plus the lookup's and the pipeline's: it is
   charged only that overhead (its time less what its tokens take at
@@ -156,10 +169,14 @@ class _Group:
 class _Decided:
     """A step as decided: its group, its policy, whether it is a burst's step and which."""
 
-    group: int
+    group: int  # negative: a group of steps beside a prompt chunk
     policy: bool
     burst_step: Optional[int]  # 0 for a burst's first (unmeasured) step; None for a leader step
     transition: bool = False  # a leader step right after a burst: not measured
+
+    @property
+    def beside_prompt(self) -> bool:
+        return self.group < 0
 
 
 @dataclass
@@ -195,8 +212,20 @@ class SpeculationGovernor:
     def decide(self, num_running: int) -> bool:
         """The policy of the next step for a batch of num_running requests:
         True to let it propose (SPECULATE). Called once per step."""
+        return self._decide(self.group_of(num_running))
+
+    def decide_beside_prompt(self) -> bool:
+        """The step just decided to speculate turns out to carry a prompt
+        chunk beside its drafts (known only at its start, after the
+        arrivals): whether it keeps them, by the groups of steps beside a
+        prompt chunk, which are measured apart (module docstring). Replaces
+        the decision; without one (speculation was off) the drafts stay."""
+        if self._decided is None:
+            return True
+        return self._decide(-abs(self._decided.group))
+
+    def _decide(self, key: int) -> bool:
         s = self.settings
-        key = self.group_of(num_running)
         group = self._groups.get(key)
         if group is None:
             nearest = self._nearest_measured(key)
@@ -259,7 +288,8 @@ class SpeculationGovernor:
         fresh, self._shadow_fresh = self._shadow_fresh, 0
         if not fresh or group.skipped >= s.max_skipped or group.held < 1:
             return False
-        compared = [(abs(k - key), -k, g) for k, g in self._groups.items() if g.spec_vs_plain > 0]
+        compared = [(abs(k - key), -abs(k), g) for k, g in self._groups.items()
+                    if g.spec_vs_plain > 0 and (k < 0) == (key < 0)]
         if not compared:
             return False
         then = min(compared, key=lambda c: c[:2])[2]
@@ -274,8 +304,9 @@ class SpeculationGovernor:
 
     def _nearest_measured(self, key: int) -> Optional[_Group]:
         """The nearest group that measured its leader (the larger on a tie); None if none."""
-        known = [(abs(k - key), -k) for k, g in self._groups.items() if g.leader_rate.steps]
-        return self._groups[-min(known)[1]] if known else None
+        known = [(abs(k - key), -abs(k), k) for k, g in self._groups.items()
+                 if g.leader_rate.steps and (k < 0) == (key < 0)]
+        return self._groups[min(known)[2]] if known else None
 
     def forget_decision(self) -> None:
         """The next step is not one the governor decided (speculation was
@@ -299,8 +330,8 @@ class SpeculationGovernor:
         starts."""
         decided, self._decided = self._decided, None
         self._wants_shadow = False
-        if decided is None or not decode_only or tokens <= 0:
-            return
+        if decided is None or tokens <= 0 or decode_only == decided.beside_prompt:
+            return  # not the kind of step it was decided as (a prompt chunk came, or none did)
         if decided.policy:
             self.counts.speculate_steps += 1
         else:
@@ -377,8 +408,9 @@ class SpeculationGovernor:
         row, the bursts skipped in a row and the changes of lead (the
         benchmark prints it: why a group chose what it did)."""
         lines = []
-        for key, g in sorted(self._groups.items()):
-            lines.append(f"batch {1 << (key - 1)}+: {'speculate' if g.leader else 'plain'}, "
+        for key, g in sorted(self._groups.items(), key=lambda kv: (kv[0] < 0, abs(kv[0]))):
+            kind = " beside a prompt chunk" if key < 0 else ""
+            lines.append(f"batch {1 << (abs(key) - 1)}+{kind}: {'speculate' if g.leader else 'plain'}, "
                          f"leader {g.leader_rate.per_second:.0f} tok/s over {g.leader_rate.steps} steps, "
                          f"plain last {g.plain_per_second:.0f}, speculate/plain at the last comparison "
                          f"{g.spec_vs_plain:.2f} at {g.spec_tokens_per_row:.2f} tokens a row, "
@@ -388,4 +420,8 @@ class SpeculationGovernor:
 
     def leaders(self) -> dict[int, bool]:
         """Each group's leader by its smallest batch (1, 2, 4, ...): True if it speculates."""
-        return {1 << (key - 1): g.leader for key, g in sorted(self._groups.items())}
+        return {1 << (key - 1): g.leader for key, g in sorted(self._groups.items()) if key > 0}
+
+    def leaders_beside_prompt(self) -> dict[int, bool]:
+        """The same for the groups of steps beside a prompt chunk."""
+        return {1 << (-key - 1): g.leader for key, g in sorted(self._groups.items()) if key < 0}

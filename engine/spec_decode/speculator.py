@@ -65,6 +65,9 @@ class Speculator:
         self.max_model_len = 2**31 - 1
         self.governor: Optional[SpeculationGovernor] = SpeculationGovernor() if config.adaptive else None
         self._shadows: list[_ShadowLookup] = []  # shadow lookups not yet checked (shadow())
+        # propose() set drafts that the next plan has not taken yet: the engine
+        # asks, at that step's start, whether they stay beside a prompt chunk.
+        self.drafts_pending = False
 
     @classmethod
     def create(cls, config: EngineConfig, target: ModelInfo) -> "Speculator":
@@ -189,6 +192,13 @@ class Speculator:
         for request, drafts in zip(chosen, proposals):
             if drafts:
                 request.spec_token_ids = drafts
+                self.drafts_pending = True
+
+    def keep_drafts_beside_prompt(self) -> bool:
+        """The step about to be scheduled carries a prompt chunk beside the
+        drafts proposed for it: whether they stay (the governor's groups of
+        such steps; always without a governor)."""
+        return self.governor is None or self.governor.decide_beside_prompt()
 
     def would_propose(self, requests: Sequence[Request]) -> bool:
         """Whether propose() would give any of `requests` drafts, setting none

@@ -361,3 +361,53 @@ def test_the_step_after_a_request_finishes_is_decided_for_the_batch_that_ran(wor
     llm.generate([prompts[1], prompts[4]], params)
     assert 2 in ran and 1 in ran
     assert decided == ran
+
+
+def test_drafts_are_dropped_beside_a_prompt_chunk_where_that_group_found_plain_faster(workload):
+    """A request copying its prompt speculates; a second arrives while it
+    runs. The governor has seen verifying steps beside a prompt chunk lose
+    (steps given as data), so the step that carries the newcomer's prompt
+    drops the drafts proposed for it, while the decode-only steps around it
+    keep speculating; the outputs are the engine's own."""
+    from tandem.engine.spec_decode.governor import SpeculationGovernor
+
+    prompts, _, _ = workload
+    llm = LLM(speculative_config={k: v for k, v in NGRAM.items() if k != "adaptive"})
+    governor = SpeculationGovernor()
+    clock = 0.0
+    for _ in range(40):  # beside a chunk: speculating 1 token in 5 ms, plain 1 in 1 ms
+        governor.decide(1)
+        policy = governor.decide_beside_prompt()
+        governor.step_started(clock)
+        governor.step_ran(clock, False, 1, policy, rows=1)
+        clock += 5e-3 if policy else 1e-3
+    governor.step_started(clock)
+    assert governor.leaders_beside_prompt() == {1: False}
+    engine = llm.engine
+    engine.speculator.governor = governor
+    plans: list[tuple[bool, int]] = []
+    step_ran = engine.speculator.step_ran
+
+    def recorded(start: float, plan, num_accepted: int) -> None:
+        decode_only = len(plan.sampled) == plan.num_entries and plan.num_scheduled_tokens == plan.num_logits_rows
+        plans.append((decode_only, sum(plan.num_draft_tokens) if plan.num_draft_tokens else 0))
+        step_ran(start, plan, num_accepted)
+
+    engine.speculator.step_ran = recorded
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    engine.add_request("copying", prompts[0], params)
+    tokens: dict[str, list[int]] = {"copying": [], "newcomer": []}
+    steps = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        steps += 1
+        if steps == 2:
+            engine.add_request("newcomer", prompts[2], params)
+    beside = [drafts for decode_only, drafts in plans[1:] if not decode_only]  # [0]: the first prompt
+    assert beside and all(d == 0 for d in beside), "the step with the newcomer's prompt verified no drafts"
+    assert any(d > 0 for decode_only, d in plans if decode_only), "decode-only steps still speculated"
+    base = LLM()
+    refs = base.generate([prompts[0], prompts[2]], params)
+    assert tokens["copying"] == refs[0].outputs[0].token_ids
+    assert tokens["newcomer"] == refs[1].outputs[0].token_ids
