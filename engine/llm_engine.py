@@ -405,7 +405,8 @@ class LLMEngine:
             # also carries a prompt chunk is known only now, after the
             # arrivals, and such steps are measured apart (governor.py).
             self.speculator.drafts_pending = False
-            if scheduler.has_prompt_work() and not self.speculator.keep_drafts_beside_prompt():
+            if (scheduler.has_prompt_work()
+                    and not self.speculator.keep_drafts_beside_prompt(scheduler.num_to_run())):
                 scheduler.drop_drafts()
         plan = scheduler.schedule()
         if self.speculator is not None:

@@ -112,6 +112,12 @@ class Scheduler:
         return bool(self.waiting or self.staging) or any(
             r.num_computed_tokens < r.num_prompt_tokens for r in self.running)
 
+    def num_to_run(self) -> int:
+        """How many requests the next plan can carry: the running ones and
+        as many waiting ones as max_num_seqs leaves room for (before the
+        token budget and the KV blocks have their say)."""
+        return min(self.config.max_num_seqs, len(self.running) + self.num_waiting)
+
     def drop_drafts(self) -> None:
         """The running requests' proposals go unused: the next plan decodes
         them plainly."""

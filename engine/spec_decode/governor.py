@@ -34,8 +34,8 @@ The rule:
   decode decision is made at the end of the step before (the drafts are
   proposed then); whether the next step carries a prompt chunk is known
   only at its start, after the arrivals, and then the engine asks
-  decide_beside_prompt(), which replaces the decision and may drop the
-  drafts. A step is measured only as the kind it was decided as; one that
+  decide_beside_prompt() for the batch that step will run, which replaces
+  the decision and may drop the drafts. A step is measured only as the kind it was decided as; one that
   turned out otherwise (a chunk expected and none scheduled, or the
   reverse) is not measured.
 - Under SPECULATE a step where the proposer found no drafts decodes what
@@ -214,15 +214,20 @@ class SpeculationGovernor:
         True to let it propose (SPECULATE). Called once per step."""
         return self._decide(self.group_of(num_running))
 
-    def decide_beside_prompt(self) -> bool:
+    def decide_beside_prompt(self, num_requests: int) -> bool:
         """The step just decided to speculate turns out to carry a prompt
         chunk beside its drafts (known only at its start, after the
-        arrivals): whether it keeps them, by the groups of steps beside a
-        prompt chunk, which are measured apart (module docstring). Replaces
-        the decision; without one (speculation was off) the drafts stay."""
+        arrivals) and about num_requests requests: whether it keeps the
+        drafts, by the groups of steps beside a prompt chunk, which are
+        measured apart (module docstring). Replaces the decision; without
+        one (speculation was off) the drafts stay. The group is the batch
+        this step will run, not the one the decision was made for: under
+        asynchronous scheduling a newcomer's first step comes two steps
+        after the one its predecessor finished in, and was decided for the
+        survivors (63 of 64, the next smaller group)."""
         if self._decided is None:
             return True
-        return self._decide(-abs(self._decided.group))
+        return self._decide(-self.group_of(num_requests))
 
     def _decide(self, key: int) -> bool:
         s = self.settings

@@ -194,11 +194,12 @@ class Speculator:
                 request.spec_token_ids = drafts
                 self.drafts_pending = True
 
-    def keep_drafts_beside_prompt(self) -> bool:
-        """The step about to be scheduled carries a prompt chunk beside the
-        drafts proposed for it: whether they stay (the governor's groups of
-        such steps; always without a governor)."""
-        return self.governor is None or self.governor.decide_beside_prompt()
+    def keep_drafts_beside_prompt(self, num_requests: int) -> bool:
+        """The step about to be scheduled, for about num_requests requests,
+        carries a prompt chunk beside the drafts proposed for it: whether
+        they stay (the governor's groups of such steps; always without a
+        governor)."""
+        return self.governor is None or self.governor.decide_beside_prompt(num_requests)
 
     def would_propose(self, requests: Sequence[Request]) -> bool:
         """Whether propose() would give any of `requests` drafts, setting none

@@ -368,7 +368,8 @@ def test_drafts_are_dropped_beside_a_prompt_chunk_where_that_group_found_plain_f
     runs. The governor has seen verifying steps beside a prompt chunk lose
     (steps given as data), so the step that carries the newcomer's prompt
     drops the drafts proposed for it, while the decode-only steps around it
-    keep speculating; the outputs are the engine's own."""
+    keep speculating; that step is decided in the group of the two requests
+    it runs; the outputs are the engine's own."""
     from tandem.engine.spec_decode.governor import SpeculationGovernor
 
     prompts, _, _ = workload
@@ -377,7 +378,7 @@ def test_drafts_are_dropped_beside_a_prompt_chunk_where_that_group_found_plain_f
     clock = 0.0
     for _ in range(40):  # beside a chunk: speculating 1 token in 5 ms, plain 1 in 1 ms
         governor.decide(1)
-        policy = governor.decide_beside_prompt()
+        policy = governor.decide_beside_prompt(1)
         governor.step_started(clock)
         governor.step_ran(clock, False, 1, policy, rows=1)
         clock += 5e-3 if policy else 1e-3
@@ -407,6 +408,8 @@ def test_drafts_are_dropped_beside_a_prompt_chunk_where_that_group_found_plain_f
     beside = [drafts for decode_only, drafts in plans[1:] if not decode_only]  # [0]: the first prompt
     assert beside and all(d == 0 for d in beside), "the step with the newcomer's prompt verified no drafts"
     assert any(d > 0 for decode_only, d in plans if decode_only), "decode-only steps still speculated"
+    # Decided for the two requests that step runs (the decision before it was for one).
+    assert 2 in governor.leaders_beside_prompt()
     base = LLM()
     refs = base.generate([prompts[0], prompts[2]], params)
     assert tokens["copying"] == refs[0].outputs[0].token_ids

@@ -348,7 +348,7 @@ def test_steps_beside_a_prompt_chunk_are_decided_and_measured_apart():
         policy = g.decide(8)
         beside = i % 3 == 0  # every third step carries a prompt chunk
         if beside and policy:
-            policy = g.decide_beside_prompt()
+            policy = g.decide_beside_prompt(8)
             beside_policies.append(policy)
         g.step_started(clock[0])
         tokens = 8 * (3 if policy else 1)
@@ -361,4 +361,4 @@ def test_steps_beside_a_prompt_chunk_are_decided_and_measured_apart():
     assert beside_policies[-100:].count(True) <= 10
     assert any("beside a prompt chunk: plain" in line for line in g.report())
     # Without a decode decision (speculation off for the step), drafts stay and nothing is measured.
-    assert SpeculationGovernor().decide_beside_prompt() is True
+    assert SpeculationGovernor().decide_beside_prompt(8) is True
