@@ -27,10 +27,11 @@ The rule:
   are its measure.
 - Steps that carry a prompt chunk beside the decodes are their own groups
   (keyed by the negated batch group, with their own leaders, bursts and
-  pauses). Verifying beside a chunk costs more than verifying alone (on
-  the H200, SmolLM2 at batch 64: 4.05 ms a step against 1.60 ms plain) and
-  a batch with arrivals has such steps all along, so one rate for both
-  kinds would let the cheap decode-only steps pay for the dear ones. The
+  pauses). The two kinds cost differently (on the H200, SmolLM2 at batch
+  64: 4.05 ms a verifying step beside a chunk against 1.60 ms a plain
+  decode-only one) and a batch with arrivals has such steps all along, so
+  one rate for both would mix them; measured apart, speculating beside a
+  chunk there paid (the chunk makes the step long, not the drafts). The
   decode decision is made at the end of the step before (the drafts are
   proposed then); whether the next step carries a prompt chunk is known
   only at its start, after the arrivals, and then the engine asks
