@@ -36,9 +36,9 @@ The rule:
   proposed then); whether the next step carries a prompt chunk is known
   only at its start, after the arrivals, and then the engine asks
   decide_beside_prompt() for the batch that step will run, which replaces
-  the decision and may drop the drafts. A step is measured only as the kind it was decided as; one that
-  turned out otherwise (a chunk expected and none scheduled, or the
-  reverse) is not measured.
+  the decision and may drop the drafts. A step is measured only as the
+  kind it was decided as; one that turned out otherwise (a chunk expected
+  and none scheduled, or the reverse) is not measured.
 - Under SPECULATE a step where the proposer found no drafts decodes what
   PLAIN would, at PLAIN's cost plus the lookup's and the pipeline's: it is
   charged only that overhead (its time less what its tokens take at
