@@ -309,13 +309,7 @@ def test_shadow_lookups_see_what_speculating_would_accept_and_change_no_token(wo
     prompts, _, _ = workload
     llm = LLM(speculative_config={k: v for k, v in NGRAM.items() if k != "adaptive"}, async_scheduling="on")
     governor = SpeculationGovernor(GovernorSettings(shadow_window=10_000, shadow_every=1))
-    clock = 0.0
-    for _ in range(40):  # speculation: 1 token in 3 ms; plain: 1 in 1 ms
-        policy = governor.decide(1)
-        governor.step_started(clock)
-        governor.step_ran(clock, True, 1, policy, rows=1)
-        clock += 3e-3 if policy else 1e-3
-    governor.step_started(clock)
+    _teach_plain(governor, speculating_s=3e-3, beside_prompt=False)
     assert governor.leaders() == {1: False}
     resolved: list[tuple[int, int]] = []
     record = governor.shadow_resolved
@@ -375,14 +369,7 @@ def test_drafts_are_dropped_beside_a_prompt_chunk_where_that_group_found_plain_f
     prompts, _, _ = workload
     llm = LLM(speculative_config={k: v for k, v in NGRAM.items() if k != "adaptive"})
     governor = SpeculationGovernor()
-    clock = 0.0
-    for _ in range(40):  # beside a chunk: speculating 1 token in 5 ms, plain 1 in 1 ms
-        governor.decide(1)
-        policy = governor.decide_beside_prompt(1)
-        governor.step_started(clock)
-        governor.step_ran(clock, False, 1, policy, rows=1)
-        clock += 5e-3 if policy else 1e-3
-    governor.step_started(clock)
+    _teach_plain(governor, speculating_s=5e-3, beside_prompt=True)
     assert governor.leaders_beside_prompt() == {1: False}
     engine = llm.engine
     engine.speculator.governor = governor
@@ -414,3 +401,18 @@ def test_drafts_are_dropped_beside_a_prompt_chunk_where_that_group_found_plain_f
     refs = base.generate([prompts[0], prompts[2]], params)
     assert tokens["copying"] == refs[0].outputs[0].token_ids
     assert tokens["newcomer"] == refs[1].outputs[0].token_ids
+
+
+def _teach_plain(governor, speculating_s: float, beside_prompt: bool) -> None:
+    """40 steps at batch 1 given as data: speculating decodes 1 token in
+    speculating_s, plain 1 in 1 ms, so the group learns PLAIN (the group of
+    decode-only steps, or of steps beside a prompt chunk)."""
+    clock = 0.0
+    for _ in range(40):
+        policy = governor.decide(1)
+        if beside_prompt:
+            policy = governor.decide_beside_prompt(1)
+        governor.step_started(clock)
+        governor.step_ran(clock, not beside_prompt, 1, policy, rows=1)
+        clock += speculating_s if policy else 1e-3
+    governor.step_started(clock)
