@@ -75,6 +75,12 @@ class SchedulerOutput:
         return len(self.sampled) + sum(self.num_draft_tokens)
 
     @property
+    def has_no_prompt_chunk(self) -> bool:
+        """Every entry decodes or verifies its drafts: each samples, and the
+        step computes only the rows it takes logits of."""
+        return len(self.sampled) == self.num_entries and self.num_scheduled_tokens == self.num_logits_rows
+
+    @property
     def is_decode_only(self) -> bool:
         """Every entry computes one token (one row per request)."""
         return len(self.token_ids) == len(self.request_ids)

@@ -122,9 +122,7 @@ class Speculator:
         verified rows accepted num_accepted drafts in all: the governor
         measures it if it only decoded."""
         if self.governor is not None:
-            decode_only = len(plan.sampled) == plan.num_entries and \
-                plan.num_scheduled_tokens == plan.num_logits_rows
-            self.governor.step_ran(start, decode_only, len(plan.sampled) + num_accepted,
+            self.governor.step_ran(start, plan.has_no_prompt_chunk, len(plan.sampled) + num_accepted,
                                    verified=bool(plan.num_draft_tokens), rows=len(plan.sampled))
             if self._shadows:
                 self.check_shadows()

@@ -377,8 +377,7 @@ def test_drafts_are_dropped_beside_a_prompt_chunk_where_that_group_found_plain_f
     step_ran = engine.speculator.step_ran
 
     def recorded(start: float, plan, num_accepted: int) -> None:
-        decode_only = len(plan.sampled) == plan.num_entries and plan.num_scheduled_tokens == plan.num_logits_rows
-        plans.append((decode_only, sum(plan.num_draft_tokens) if plan.num_draft_tokens else 0))
+        plans.append((plan.has_no_prompt_chunk, sum(plan.num_draft_tokens) if plan.num_draft_tokens else 0))
         step_ran(start, plan, num_accepted)
 
     engine.speculator.step_ran = recorded
