@@ -12,16 +12,6 @@ context. A sequence with fewer draft tokens has its rows first and padding
 rows after them (slot -1, junk outputs no row reads: causal attention keeps
 them from every real row), its context length counted with the padding;
 padding sequences get context q over whatever their table rows hold.
-
-Small verifying buckets (at most `rows_as_decodes` sequences) attend each
-row as a decode of its own instead: row i of a sequence that computed c
-tokens before the step is a one-row sequence of context c + i + 1 over the
-same block table, so the decode kernel's split grid runs it. The prompt
-kernel gives each (sequence, KV head) one program that walks the whole
-context, which at batch 1 leaves a handful of programs on the GPU: a
-verifying graph of SmolLM2 at batch 1 (5 rows) took 1.05 ms of device time
-against a plain decode step's 0.6 ms period (H200, docs/benchmarks.md).
-Padding rows then have context 0, as a decode graph's padding.
 """
 from __future__ import annotations
 
@@ -29,7 +19,6 @@ import bisect
 import contextlib
 import gc
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
@@ -90,34 +79,6 @@ def verify_buckets(max_batch: int, query_len: int, max_rows: int) -> list[int]:
     return [b for b in BUCKETS if b <= max_batch and b * query_len <= max_rows] or [1]
 
 
-# TANDEM_VERIFY_ROWS_AS_DECODES=N sets the largest verifying bucket whose rows
-# attend as decodes (0: none), so that one lease can time both layouts.
-ROWS_AS_DECODES_ENV = "TANDEM_VERIFY_ROWS_AS_DECODES"
-
-
-def rows_as_decodes(num_kv_heads: int, device: torch.device) -> int:
-    """The largest verifying batch whose rows attend as decodes of their own:
-    while the prompt kernel's grid, one program per sequence and KV head,
-    would leave SMs idle (module docstring)."""
-    override = os.environ.get(ROWS_AS_DECODES_ENV)
-    if override is not None:
-        return int(override)
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    return (num_sms - 1) // max(num_kv_heads, 1)
-
-
-def row_contexts(q_lens: np.ndarray, num_computed: np.ndarray, query_len: int, bucket: int) -> np.ndarray:
-    """The context of every row of a verifying bucket in its padded layout,
-    each row attending as a decode of its own: entry j's row i (i < q_lens[j])
-    sees num_computed[j] + i + 1 tokens; padding rows, and the rows of
-    padding sequences past the entries, see none."""
-    contexts = np.zeros((bucket, query_len), dtype=np.int32)
-    n = len(q_lens)
-    grid = num_computed[:, None] + np.arange(1, query_len + 1)
-    contexts[:n] = np.where(np.arange(query_len) < q_lens[:, None], grid, 0)
-    return contexts.reshape(-1)
-
-
 def padded_rows(q_lens: np.ndarray, query_len: int) -> np.ndarray:
     """Where each of a verifying batch's rows (entry after entry, q_lens[i]
     rows of entry i) goes in the graph's layout of query_len rows an entry."""
@@ -143,16 +104,13 @@ class GraphOutput:
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], max_batch: int,
                  max_model_len: int, block_size: int, device: torch.device, query_len: int = 1,
-                 sizes: Optional[list[int]] = None, rows_as_decodes: int = 0) -> None:
-        """query_len: rows a sequence (1: decode steps; 1 + k: verifying steps).
-        rows_as_decodes: verifying buckets of at most this many sequences
-        attend each row as a decode of its own (module docstring); 0: none."""
+                 sizes: Optional[list[int]] = None) -> None:
+        """query_len: rows a sequence (1: decode steps; 1 + k: verifying steps)."""
         self.model = model
         self.kv_caches = kv_caches
         self.query_len = q = query_len
         self.sizes = sizes or [b for b in BUCKETS if b <= max_batch] or [1]
         self.max_model_len = max_model_len
-        self.rows_as_decodes = rows_as_decodes if q > 1 else 0
         n = self.sizes[-1]
         max_blocks = -(-max_model_len // block_size)
         self.input_ids = torch.zeros(n * q, dtype=torch.long, device=device)
@@ -163,11 +121,6 @@ class DecodeGraphs:
         # see q tokens, so their rows (and the prefill kernel's sums) stay finite.
         self.seq_lens = torch.full((n,), 0 if q == 1 else q, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
-        if self.rows_as_decodes:  # a one-row sequence per row of the small buckets
-            m = min(n, self.rows_as_decodes) * q
-            self.row_query_start_loc = torch.arange(m + 1, dtype=torch.int32, device=device)
-            self.row_seq_lens = torch.zeros(m, dtype=torch.int32, device=device)
-            self.row_block_tables = torch.zeros(m, max_blocks, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.replays = 0
@@ -176,11 +129,6 @@ class DecodeGraphs:
 
     def _meta(self, b: int) -> AttentionMetadata:
         q = self.query_len
-        if self._rows_as_decodes(b):
-            return AttentionMetadata(
-                slot_mapping=self.slot_mapping[: b * q], query_start_loc=self.row_query_start_loc[: b * q + 1],
-                seq_lens=self.row_seq_lens[: b * q], block_tables=self.row_block_tables[: b * q],
-                max_query_len=1, max_seq_len=self.max_model_len)
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[: b * q], query_start_loc=self.query_start_loc[: b + 1],
             seq_lens=self.seq_lens[:b], block_tables=self.block_tables[:b], max_query_len=q,
@@ -208,9 +156,6 @@ class DecodeGraphs:
             graph.reset()
         self.graphs.clear()
         self.outputs.clear()
-
-    def _rows_as_decodes(self, b: int) -> bool:
-        return b <= self.rows_as_decodes
 
     def bucket(self, num_seqs: int) -> Optional[int]:
         i = bisect.bisect_left(self.sizes, num_seqs)
@@ -262,22 +207,13 @@ class DecodeGraphs:
             self.input_ids.index_copy_(0, dest, input_ids)
             self.positions.index_copy_(0, dest, positions)
             self.slot_mapping.index_copy_(0, dest, meta.slot_mapping)
-        if self._rows_as_decodes(b):
-            # Every row its own sequence: its context, and its entry's block table.
-            contexts = torch.from_numpy(row_contexts(q_lens, num_computed, q, b))
-            self.row_seq_lens[: b * q].copy_(contexts.to(device, non_blocking=True), non_blocking=True)
-            self.row_block_tables[: n * q, :width].copy_(meta.block_tables.repeat_interleave(q, dim=0),
-                                                         non_blocking=True)
-            if b > n:  # padding sequences: no write (their context is 0 above)
-                self.slot_mapping[n * q: b * q].fill_(-1)
-        else:
-            # Each entry's context with its padding rows: they come after its real ones.
-            padded = torch.from_numpy((num_computed + q).astype(np.int32))
-            self.seq_lens[:n].copy_(padded.to(device, non_blocking=True), non_blocking=True)
-            self.block_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
-            if b > n:  # padding sequences: no write, q tokens of context
-                self.slot_mapping[n * q: b * q].fill_(-1)
-                self.seq_lens[n:b].fill_(q)
+        # Each entry's context with its padding rows: they come after its real ones.
+        padded = torch.from_numpy((num_computed + q).astype(np.int32))
+        self.seq_lens[:n].copy_(padded.to(device, non_blocking=True), non_blocking=True)
+        self.block_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
+        if b > n:  # padding sequences: no write, q tokens of context
+            self.slot_mapping[n * q: b * q].fill_(-1)
+            self.seq_lens[n:b].fill_(q)
         self.graphs[b].replay()
         self.replays += 1
         return GraphOutput(self.outputs[b], rows, dest)

@@ -230,7 +230,7 @@ class ModelRunner:
             # The torch twins read lengths on the host, which a graph cannot capture.
             log.warning("--attention-backend torch: decode runs eagerly, without CUDA graphs")
             return
-        from tandem.engine.cuda_graphs import DecodeGraphs, rows_as_decodes, verify_buckets
+        from tandem.engine.cuda_graphs import DecodeGraphs, verify_buckets
         from tandem.engine.piecewise_graphs import PiecewiseGraphs
 
         sched = self.config.scheduler
@@ -248,8 +248,7 @@ class ModelRunner:
             self.verify_graphs = DecodeGraphs(
                 self.model, self.kv_caches, sched.max_num_seqs, max_model_len, self.block_size,
                 self.device, query_len=q,
-                sizes=verify_buckets(sched.max_num_seqs, q, sched.max_num_batched_tokens),
-                rows_as_decodes=rows_as_decodes(self.layout.num_kv_heads, self.device))
+                sizes=verify_buckets(sched.max_num_seqs, q, sched.max_num_batched_tokens))
 
     def release_cuda_graphs(self) -> None:
         """Drop the CUDA graphs (before the TP group goes: see DecodeGraphs.release)."""
