@@ -35,6 +35,7 @@ import torch
 
 from tandem.kernels import AttentionMetadata, compile_log
 from tandem.kernels.attention_triton import decode_variants
+from tandem.kernels.ops import FEW_ROWS_MAX
 
 log = logging.getLogger(__name__)
 
@@ -117,13 +118,13 @@ def batch_inputs(batch: WarmupBatch, block_size: int,
 def run_batches(model: torch.nn.Module, kv_caches: list[torch.Tensor], batches: list[WarmupBatch],
                 block_size: int, device: torch.device) -> Iterator[WarmupBatch]:
     """Each batch through the model, yielded once queued. No sampling, and
-    logits only for a batch of one token: the LM head of a one-row step is
-    the one that takes a Triton kernel (the GEMV of kernels.ops.linear)."""
+    logits only for batches of up to FEW_ROWS_MAX tokens: the LM heads that
+    take a Triton kernel (the GEMVs of kernels.ops.linear)."""
     with torch.inference_mode():
         for batch in batches:
             input_ids, positions, meta = batch_inputs(batch, block_size, device)
             hidden = model(input_ids, positions, kv_caches, meta)
-            if batch.num_tokens == 1:
+            if batch.num_tokens <= FEW_ROWS_MAX:
                 model.compute_logits(hidden)
             yield batch
 

@@ -1,7 +1,8 @@
 """One row of activations times a weight matrix, on the CUDA cores: the
 linear layers of a decode step of one sequence, for 16-bit weights and for
 e4m3 weights with per-channel scales (weight-only: the row stays in the
-model dtype, fp8_torch.WEIGHT_ONLY_MAX_ROWS).
+model dtype, fp8_torch.WEIGHT_ONLY_MAX_ROWS). And a few rows (up to 16) at
+once on the tensor cores, 16-bit weights: gemv_rows, below.
 
 A step of one row reads every weight once and multiplies it once: there is
 no tile to reuse, so the work is streaming the weight through the
@@ -22,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.common_triton import pdl_launch, pdl_prologue
+from tandem.kernels.common_triton import dot_settings, mma, pdl_launch, pdl_prologue
 
 # CUDA bounds a grid's second dimension (the channel tiles here) to 65535
 # programs: wider products (a vocabulary over 524,280 at 8-channel tiles)
@@ -124,3 +125,84 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torch.
         x.stride(0), weight.stride(0), out.stride(0), HAS_SCALE=weight_scale is not None,
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=num_stages, **pdl_launch(x),
         num_warps=num_warps)
+
+
+# Rows of x one program of the few-row kernel multiplies at once (the
+# smallest tile tl.dot takes): the most rows gemv_rows takes.
+FEW_ROWS_TILE = 16
+
+
+@triton.jit
+def _gemv_rows_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out,
+                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """Up to BLOCK_M rows of x at once, each program BLOCK_N output channels
+    of all of them: the weight tile is read once for every row and the rows
+    ride on one tensor-core product (rows past M are masked to zero), where
+    the one-row kernel's grid rereads the weight once a row and cuBLAS's
+    small-M GEMMs take no dependent launch. Like the one-row kernel, the
+    first weight tile is asked for before the PDL wait."""
+    pid_n = tl.program_id(0)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w
+    ks = tl.arange(0, BLOCK_K)
+    w = tl.load(w_rows + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)
+    pdl_prologue(PDL)
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_x
+    x = tl.load(x_rows + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
+    acc = mma(x, tl.trans(w), DOT_PRECISION, DOT_UPCAST)
+    for start in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+        ks = start + tl.arange(0, BLOCK_K)
+        w = tl.load(w_rows + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)
+        x = tl.load(x_rows + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
+        acc += mma(x, tl.trans(w), DOT_PRECISION, DOT_UPCAST)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def few_rows_tiles(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, stages, warps) of the few-row kernel for an N x K
+    weight. From a sweep of 32 tilings over SmolLM2-135M's and an 8B
+    Llama's layers at 2, 5 and 16 bf16 rows, each call reading its weight
+    from HBM (H200, one lease, docs/benchmarks.md): narrow outputs want more
+    programs (16 channels each), and rows that fit one 1024-wide tile are
+    read in one go; wider outputs take 32 channels in three stages."""
+    if n <= 1024:
+        return (16, 1024, 2, 4) if k <= 1024 else (16, 512, 3, 4)
+    return (32, 128, 3, 4) if k <= 1024 else (32, 256, 3, 4)
+
+
+def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+              block_n: Optional[int] = None, block_k: Optional[int] = None, num_stages: Optional[int] = None,
+              num_warps: Optional[int] = None) -> torch.Tensor:
+    """x [M, K] (M <= FEW_ROWS_TILE) times weight [N, K]^T (+ bias), 16-bit
+    or fp32, in x's dtype: the linear layers of a verifying step of one
+    sequence (1 + k rows) and of decode steps of a few sequences
+    (kernels.ops.linear). The weight
+    must not be written by the kernel launched just before (as gemv).
+    Tiles left out come from few_rows_tiles. Twin: torch.nn.functional.linear."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > FEW_ROWS_TILE:
+        raise ValueError(f"gemv_rows: {m} rows, more than one tile of FEW_ROWS_TILE ({FEW_ROWS_TILE})")
+    if k != weight.shape[1]:
+        raise ValueError(f"gemv_rows: x has {k} features, the weight {weight.shape[1]}")
+    if weight.stride(1) != 1:
+        raise ValueError("gemv_rows: the weight's rows must be contiguous")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    tiles = few_rows_tiles(n, k)
+    block_n, block_k = block_n or tiles[0], block_k or tiles[1]
+    num_stages, num_warps = num_stages or tiles[2], num_warps or tiles[3]
+    _gemv_rows_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, weight if bias is None else bias, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=FEW_ROWS_TILE, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=num_stages,
+        **pdl_launch(x), **dot_settings(x.dtype), num_warps=num_warps)
+    return out

@@ -1,7 +1,7 @@
 """Check the per-layer Triton kernels (layer_ops_triton.py) against their
 torch twins: RMSNorm with and without the residual add, per-head RMSNorm on
 a strided view, rotary embedding on views of a fused QKV output,
-SiLU-and-multiply, and the GEMV of one-row linear layers (gemv_triton.py)
+SiLU-and-multiply, and the GEMVs of one-row and few-row linear layers (gemv_triton.py)
 against torch's linear; fp32, bf16 and fp16; power-of-two and other widths.
 
     TRITON_INTERPRET=1 python -m tandem.kernels.layer_ops_check --device cpu   # CI, no GPU
@@ -32,7 +32,7 @@ def close(out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
 
 def cases(device: str):
     from tandem.kernels import gemv_triton
-    from tandem.kernels.gemv_triton import gemv
+    from tandem.kernels.gemv_triton import FEW_ROWS_TILE, gemv, gemv_rows
     from tandem.kernels.layer_ops_triton import rms_norm_triton, rotary_triton, silu_and_mul_triton
 
     gen = torch.Generator().manual_seed(0)
@@ -77,6 +77,13 @@ def cases(device: str):
             b = rand(n, dtype=dtype) if has_bias else None
             yield (f"gemv {dtype} {rows}x{k} times {n}x{k}{' + bias' if has_bias else ''}",
                    close(gemv(x, w, b), torch.nn.functional.linear(x, w, b)))
+        # The few-row kernel: one row, a verifying step's 5, a full tile of 16; widths off its tiles
+        for rows, k, n, has_bias in ((1, 96, 40, False), (5, 300, 72, True), (FEW_ROWS_TILE, 1100, 33, True),
+                                     (2, 64, 24, False)):
+            x, w = rand(rows, k, dtype=dtype), rand(n, k, dtype=dtype)
+            b = rand(n, dtype=dtype) if has_bias else None
+            yield (f"gemv_rows {dtype} {rows}x{k} times {n}x{k}{' + bias' if has_bias else ''}",
+                   close(gemv_rows(x, w, b), torch.nn.functional.linear(x, w, b)))
         # more channel tiles than a grid takes (gemv_triton.MAX_CHANNEL_TILES): launched slice by slice
         x, w, b = rand(1, 64, dtype=dtype), rand(100, 64, dtype=dtype), rand(100, dtype=dtype)
         limit, gemv_triton.MAX_CHANNEL_TILES = gemv_triton.MAX_CHANNEL_TILES, 3

@@ -138,23 +138,46 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     return fused_moe_torch(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
 
 
-# TANDEM_GEMV=0 keeps one-row 16-bit products with torch (cuBLAS), so that one
-# lease can time the engine with and without the GEMV (docs/benchmarks.md).
+# TANDEM_GEMV=0 keeps few-row 16-bit products with torch (cuBLAS), so that one
+# lease can time the engine with and without the GEMV kernels (docs/benchmarks.md).
 GEMV_ENV = "TANDEM_GEMV"
 _gemv_on = os.environ.get(GEMV_ENV, "1") != "0"
+# The most rows the few-row kernel takes (gemv_triton.FEW_ROWS_TILE, one tile).
+FEW_ROWS_MAX = 16
+# Products that stay with cuBLAS however few their rows, from the H200 sweeps
+# of docs/benchmarks.md (each call reading its weight from HBM): outputs this
+# wide (LM heads) over rows shorter than 1024 (SmolLM2's 49152 x 576 head, one
+# row: cuBLAS 16.5 us, the GEMV 25.2, the few-row kernel 18.3), and weights
+# of more elements than FEW_ROWS_MAX_WEIGHT. The few-row kernel's gains were
+# measured in the step on layers of up to 1.8M elements (SmolLM2-135M); an
+# 8B Llama's layers (16.8M and more) it streamed at cuBLAS's speed alone
+# (28672 x 4096 at 5 rows: 59.3 against 56.9 us), so they stay with cuBLAS.
+WIDE_N = 32768
+FEW_ROWS_MAX_WEIGHT = 1 << 23
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [..., K] times weight [N, K]^T (+ bias), as torch.nn.functional.linear.
-    On CUDA one 16-bit row (a decode step of one sequence) takes the Triton
-    GEMV (gemv_triton.py), which streams the weight faster than cuBLAS's
-    split-K GEMV; fp32 rows keep cuBLAS's arithmetic (the token-exact GPU
-    tests run in fp32), and more rows reuse each weight tile, cuBLAS's case."""
-    if (_gemv_on and _use_triton(x) and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and x.numel() == x.shape[-1] and weight.stride(-1) == 1):  # the GEMV reads weight rows whole
-        from tandem.kernels.gemv_triton import gemv
+    On CUDA, 16-bit products of a few rows take the Triton kernels of
+    gemv_triton.py: one row (a decode step of one sequence) the GEMV, which
+    streams the weight faster than cuBLAS's split-K GEMV; 2 to FEW_ROWS_MAX
+    rows (a verifying step of one sequence, decode steps of a few) the
+    few-row kernel, which reads each weight tile once for all of them and
+    waits for the kernel before on the GPU (a dependent launch), where
+    cuBLAS's small-M GEMMs take 3-5 us a call however small the layer, and
+    leave the GPU idle between launches. fp32 rows keep cuBLAS's arithmetic
+    (the token-exact GPU tests run in fp32), and more rows reuse each weight
+    tile enough for cuBLAS."""
+    n, k = weight.shape
+    rows = x.numel() // k if k else 0
+    if (_gemv_on and 1 <= rows <= FEW_ROWS_MAX and _use_triton(x) and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype and weight.stride(-1) == 1):  # the kernels read weight rows whole
+        from tandem.kernels.gemv_triton import gemv, gemv_rows
 
-        return gemv(x.reshape(1, -1), weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+        if rows == 1 and not (n >= WIDE_N and k < 1024):
+            return gemv(x.reshape(1, k), weight, bias).reshape(*x.shape[:-1], n)
+        if rows > 1 and n < WIDE_N and n * k <= FEW_ROWS_MAX_WEIGHT:
+            return gemv_rows(x.reshape(rows, k), weight, bias).reshape(*x.shape[:-1], n)
     return torch.nn.functional.linear(x, weight, bias)
 
 

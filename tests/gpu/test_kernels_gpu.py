@@ -41,32 +41,57 @@ def test_layer_op_kernels_match_torch_twins_on_gpu() -> None:
     assert not failed, failed
 
 
-def test_one_row_16bit_linear_takes_the_gemv_and_other_rows_cublas(monkeypatch) -> None:
+def test_few_16bit_rows_take_the_gemv_kernels_and_other_rows_cublas(monkeypatch) -> None:
     """kernels.ops.linear: a single bf16/fp16 row goes through the Triton
-    GEMV; two rows, an fp32 row, a weight of non-contiguous rows, the
-    torch backend and TANDEM_GEMV=0 go to torch's linear; every answer
-    agrees with torch's."""
+    GEMV, 2-16 rows through the few-row kernel; 17 rows, an fp32 row, a
+    vocabulary-wide weight over short rows, a large weight at 2-16 rows, a
+    weight of non-contiguous rows, the torch backend and TANDEM_GEMV=0 go
+    to torch's linear; every answer agrees with torch's."""
     from tandem.kernels import gemv_triton, ops
 
     calls = []
 
     def counted(*args, **kwargs):
-        calls.append(args[0].shape)
+        calls.append(("gemv", args[0].shape))
         return real(*args, **kwargs)
 
-    real = gemv_triton.gemv
+    def counted_rows(*args, **kwargs):
+        calls.append(("rows", args[0].shape))
+        return real_rows(*args, **kwargs)
+
+    real, real_rows = gemv_triton.gemv, gemv_triton.gemv_rows
+    monkeypatch.setattr(gemv_triton, "gemv_rows", counted_rows)
     monkeypatch.setattr(gemv_triton, "gemv", counted)
     w = torch.randn(72, 1100, device="cuda")
     b = torch.randn(72, device="cuda")
-    for dtype, rows, taken in ((torch.bfloat16, 1, True), (torch.float16, 1, True), (torch.bfloat16, 2, False),
-                               (torch.float32, 1, False)):
+    for dtype, rows, taken in ((torch.bfloat16, 1, "gemv"), (torch.float16, 1, "gemv"), (torch.bfloat16, 2, "rows"),
+                               (torch.float16, 5, "rows"), (torch.bfloat16, 16, "rows"), (torch.bfloat16, 17, None),
+                               (torch.float32, 1, None)):
         calls.clear()
         x = torch.randn(rows, 1100, device="cuda", dtype=dtype)
         out = ops.linear(x, w.to(dtype), b.to(dtype))
         ref = torch.nn.functional.linear(x.float(), w.to(dtype).float(), b.to(dtype).float())
-        assert bool(calls) == taken, (dtype, rows, calls)
+        assert [c[0] for c in calls] == ([taken] if taken else []), (dtype, rows, calls)
         assert out.dtype == dtype and out.shape == (rows, 72)
         assert (out.float() - ref).abs().max() <= 2 ** -6 * ref.abs().max()
+    # rows of a 3-d input count together (a [batch, tokens, K] activation)
+    calls.clear()
+    x3 = torch.randn(2, 3, 1100, device="cuda", dtype=torch.bfloat16)
+    assert ops.linear(x3, w.bfloat16()).shape == (2, 3, 72) and calls == [("rows", (6, 1100))]
+    # a vocabulary-wide weight over short rows stays with cuBLAS at any row count, and so do
+    # weights of more than FEW_ROWS_MAX_WEIGHT elements at 2-16 rows (one row: the GEMV)
+    calls.clear()
+    head = torch.randn(ops.WIDE_N, 64, device="cuda", dtype=torch.bfloat16)
+    for rows in (1, 5):
+        out = ops.linear(torch.randn(rows, 64, device="cuda", dtype=torch.bfloat16), head)
+        assert out.shape == (rows, ops.WIDE_N)
+    assert not calls
+    big = torch.empty(ops.FEW_ROWS_MAX_WEIGHT // 4096 + 8, 4096, device="cuda", dtype=torch.bfloat16).normal_()
+    assert big.shape[0] < ops.WIDE_N
+    ops.linear(torch.randn(5, 4096, device="cuda", dtype=torch.bfloat16), big)
+    assert not calls
+    ops.linear(torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16), big)
+    assert [c[0] for c in calls] == ["gemv"]
     # a weight whose rows are not contiguous (a transposed view) stays with torch
     calls.clear()
     w_t = w.bfloat16().t().contiguous().t()
@@ -77,5 +102,6 @@ def test_one_row_16bit_linear_takes_the_gemv_and_other_rows_cublas(monkeypatch) 
     assert not calls
     monkeypatch.setattr(ops, "_backend", "auto")
     monkeypatch.setattr(ops, "_gemv_on", False)  # TANDEM_GEMV=0
-    ops.linear(torch.randn(1, 1100, device="cuda", dtype=torch.bfloat16), w.bfloat16())
+    for rows in (1, 5):
+        ops.linear(torch.randn(rows, 1100, device="cuda", dtype=torch.bfloat16), w.bfloat16())
     assert not calls
