@@ -132,7 +132,7 @@ class DecodeGraphs:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[: b * q], query_start_loc=self.query_start_loc[: b + 1],
             seq_lens=self.seq_lens[:b], block_tables=self.block_tables[:b], max_query_len=q,
-            max_seq_len=self.max_model_len)
+            max_seq_len=self.max_model_len, uniform_queries=q > 1)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:

@@ -62,6 +62,13 @@ class DecodeConfig:
     fp8_block_n: int = 128
     fp8_single_num_warps: int = 2
     fp8_single_num_stages: int = 2
+    # Batches marked uniform (meta.uniform_queries: every sequence the same
+    # few query tokens, a verifying graph's 1 + k rows) take the split kernel
+    # too, while their rows per KV head (tokens times the GQA group) fit
+    # this; 0: never (the prompt kernel). Off until timed on a GPU: checked
+    # against the twin under the interpreter only (selfcheck's verify cases
+    # turn it on), not yet run on one (docs/kernels.md, version 18).
+    max_uniform_rows: int = 0
 
     def launch_tiles(self, num_splits: int) -> tuple[int, int]:
         """(num_warps, num_stages) of a grid of num_splits splits."""
@@ -210,6 +217,20 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, meta: At
                                 partition_size=grid.partition_size, block_n=d.block_n,
                                 num_warps=grid.num_warps, num_stages=grid.num_stages,
                                 reduce_chunk=d.reduce_chunk, fused_max_splits=d.fused_max_splits)
+    q_len, group = meta.max_query_len, num_heads // num_kv_heads
+    if (meta.uniform_queries and 1 < q_len and num_tokens == meta.num_seqs * q_len
+            and q_len * group <= cfg.decode.max_uniform_rows):
+        # Every sequence q_len rows, its last tokens, in order: the split kernel
+        # reads each KV tile once for all of them, where the prompt kernel runs
+        # one program per (sequence, KV head) along the whole context.
+        d = decode_tiles(cfg.decode, key_cache.dtype)
+        grid = decode_grid(meta.num_seqs, num_kv_heads, meta.max_seq_len, _num_sms(query.device), d)
+        return decode_attention(query, key_cache, value_cache, meta.block_tables,
+                                meta.seq_lens, meta.max_seq_len, scale, out,
+                                partition_size=grid.partition_size, block_n=d.block_n,
+                                num_warps=grid.num_warps, num_stages=grid.num_stages,
+                                reduce_chunk=d.reduce_chunk, fused_max_splits=d.fused_max_splits,
+                                query_len=q_len)
     # Chosen from host ints only (a captured graph replays the same choice).
     if num_tokens * (num_heads // num_kv_heads) >= cfg.long_prefill.block_m * meta.num_seqs:
         # Over an FP8 cache the new tokens' tiles come from the cache too: the prompt

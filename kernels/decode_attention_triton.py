@@ -96,7 +96,12 @@ def _decode_partition_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, FP16_PRODUCTS: tl.constexpr, PDL: tl.constexpr,
+    QLEN: tl.constexpr = 1,
 ):
+    """QLEN > 1: each sequence's last QLEN tokens are its queries (rows
+    seq * QLEN + t of q and out), each seeing the context up to itself; a
+    program's rows are then its KV head's GROUP heads of every one of them
+    (GROUP_PAD covers QLEN * GROUP), so the tile is read once for all."""
     pdl_prologue(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -107,13 +112,14 @@ def _decode_partition_kernel(
     # every split to work on a short one.
     partition_size = tl.maximum(tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N), 1) * BLOCK_N
     start = split * partition_size
-    rows = tl.arange(0, GROUP_PAD)  # query heads of this KV head, padded for tl.dot
-    row_mask = rows < GROUP
-    heads = kv_head * GROUP + rows
+    rows = tl.arange(0, GROUP_PAD)  # query heads of this KV head (of each query token), padded for tl.dot
+    row_mask = rows < QLEN * GROUP
+    heads = kv_head * GROUP + rows % GROUP
+    toks_q = seq.to(tl.int64) * QLEN + rows // GROUP  # each row's query token
     dims = tl.arange(0, HEAD_DIM)
-    o_rows = out_ptr + seq.to(tl.int64) * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :]
+    o_rows = out_ptr + toks_q[:, None] * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :]
     # Issued before the length is known: the two loads travel together.
-    q = tl.load(q_ptr + seq.to(tl.int64) * stride_q_tok + heads[:, None] * stride_q_head
+    q = tl.load(q_ptr + toks_q[:, None] * stride_q_tok + heads[:, None] * stride_q_head
                 + dims[None, :], mask=row_mask[:, None], other=0.0)
     if FP16_PRODUCTS:  # an FP8 cache (common_triton.fp16_products)
         q = q.to(tl.float16)
@@ -127,7 +133,7 @@ def _decode_partition_kernel(
         else:
             # An empty partition leaves defined values for the reduce kernel:
             # weight zero, so it needs no per-sequence length.
-            _store_partial(part_out_ptr, part_lse_ptr, seq, heads, split, dims, row_mask, zero,
+            _store_partial(part_out_ptr, part_lse_ptr, toks_q, heads, split, dims, row_mask, zero,
                            tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32),
                            stride_po_seq, stride_po_head, stride_po_split,
                            stride_pl_seq, stride_pl_head)
@@ -150,15 +156,26 @@ def _decode_partition_kernel(
         k = tl.load(key_cache_ptr + offs, mask=tok_mask[:, None], other=0.0).to(q.dtype)
         v = tl.load(value_cache_ptr + offs, mask=tok_mask[:, None], other=0.0).to(q.dtype)
         s = mma(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * scale_log2
-        s = tl.where(tok_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        if QLEN > 1:  # causal: row t sees the tokens up to seq_len - QLEN + t
+            limit = seq_len - QLEN + 1 + rows // GROUP
+            s = tl.where(tok_mask[None, :] & (toks[None, :] < limit[:, None]), s, float("-inf"))
+            # A row may see none of a partition near the end: keep its sums at zero, not NaN.
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            s = tl.where(tok_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_use = m_new
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
 
-    acc = acc / l_i[:, None]
+    if QLEN > 1:
+        acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    else:
+        acc = acc / l_i[:, None]
     if SINGLE_SPLIT:
         tl.store(o_rows, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
     elif FUSED_REDUCE:
@@ -166,7 +183,7 @@ def _decode_partition_kernel(
         if num_active == 1:  # the whole context was this partition's
             tl.store(o_rows, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
         else:
-            _store_partial(part_out_ptr, part_lse_ptr, seq, heads, split, dims, row_mask, acc,
+            _store_partial(part_out_ptr, part_lse_ptr, toks_q, heads, split, dims, row_mask, acc,
                            m_i + tl.log2(l_i), stride_po_seq, stride_po_head, stride_po_split,
                            stride_pl_seq, stride_pl_head)
             # Every thread's stores above are ordered before the one thread's
@@ -177,25 +194,27 @@ def _decode_partition_kernel(
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == num_active - 1:
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next call
-                _combine_partitions(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_active,
-                                    stride_po_seq, stride_po_head, stride_po_split,
-                                    stride_pl_seq, stride_pl_head, stride_o_tok, stride_o_head,
-                                    GROUP, GROUP_P2, HEAD_DIM, SPLIT_CHUNK)
+                for t in tl.static_range(QLEN):
+                    _combine_partitions(part_out_ptr, part_lse_ptr, out_ptr, seq * QLEN + t, kv_head, num_active,
+                                        stride_po_seq, stride_po_head, stride_po_split,
+                                        stride_pl_seq, stride_pl_head, stride_o_tok, stride_o_head,
+                                        GROUP, GROUP_P2, HEAD_DIM, SPLIT_CHUNK)
     else:
-        _store_partial(part_out_ptr, part_lse_ptr, seq, heads, split, dims, row_mask, acc,
+        _store_partial(part_out_ptr, part_lse_ptr, toks_q, heads, split, dims, row_mask, acc,
                        m_i + tl.log2(l_i), stride_po_seq, stride_po_head, stride_po_split,
                        stride_pl_seq, stride_pl_head)
 
 
 @triton.jit
-def _store_partial(part_out_ptr, part_lse_ptr, seq, heads, split, dims, row_mask, out, lse,
+def _store_partial(part_out_ptr, part_lse_ptr, toks, heads, split, dims, row_mask, out, lse,
                    stride_po_seq, stride_po_head, stride_po_split, stride_pl_seq, stride_pl_head):
-    """One partition's result for the query heads `heads`: normalised output
-    [rows, head_dim] and log-sum-exp (base 2) [rows], fp32."""
-    po = (part_out_ptr + seq.to(tl.int64) * stride_po_seq + heads[:, None] * stride_po_head
+    """One partition's result for the rows (query token `toks`, head
+    `heads`): normalised output [rows, head_dim] and log-sum-exp (base 2)
+    [rows], fp32."""
+    po = (part_out_ptr + toks[:, None] * stride_po_seq + heads[:, None] * stride_po_head
           + split * stride_po_split + dims[None, :])
     tl.store(po, out, mask=row_mask[:, None])
-    pl = part_lse_ptr + seq.to(tl.int64) * stride_pl_seq + heads * stride_pl_head + split
+    pl = part_lse_ptr + toks * stride_pl_seq + heads * stride_pl_head + split
     tl.store(pl, lse, mask=row_mask)
 
 
@@ -329,8 +348,12 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
                      scale: float, out: torch.Tensor, *, partition_size: int, block_n: int,
                      num_warps: int = 4, num_stages: int = 2, reduce_chunk: int = 64,
-                     fused_max_splits: int = 0) -> torch.Tensor:
+                     fused_max_splits: int = 0, query_len: int = 1) -> torch.Tensor:
     """out[i] = attention of query[i] ([num_heads, head_dim]) over sequence i's context.
+
+    query_len > 1: every sequence has that many query tokens, its last ones,
+    rows s * query_len .. (s + 1) * query_len - 1 of query and out, each
+    attending causally (a verifying step's 1 + k rows).
 
     key_cache/value_cache are [num_blocks, block_size, num_kv_heads, head_dim].
     partition_size: with max_seq_len, sets the grid's split count
@@ -342,7 +365,8 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     (a power of two). Each step is a dependent round trip to memory, on the
     critical path at small batch.
     """
-    num_seqs, num_heads, head_dim = query.shape
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs = num_tokens // query_len
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
     assert partition_size % block_n == 0, (partition_size, block_n)
@@ -355,9 +379,9 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         part_out = part_lse = out
         po_strides, pl_strides = (0, 0, 0), (0, 0)
     else:
-        part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim,
+        part_out = torch.empty(num_tokens, num_heads, num_splits, head_dim,
                                dtype=torch.float32, device=query.device)
-        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32,
+        part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32,
                                device=query.device)
         po_strides = part_out.stride()[:3]
         pl_strides = part_lse.stride()[:2]
@@ -372,15 +396,15 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         out.stride(0), out.stride(1),
         *po_strides, *pl_strides,
         num_kv_heads,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group * query_len)),
         GROUP_P2=max(2, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SINGLE_SPLIT=single, FUSED_REDUCE=fused,
         SPLIT_CHUNK=choices.split_chunk,
         **dot_settings(query.dtype), FP16_PRODUCTS=fp16_products(query.dtype, key_cache.dtype), **pdl,
-        num_warps=num_warps, num_stages=num_stages,
+        QLEN=query_len, num_warps=num_warps, num_stages=num_stages,
     )
     if not single and not fused:
-        _decode_reduce_kernel[(num_seqs, num_heads)](
+        _decode_reduce_kernel[(num_tokens, num_heads)](
             part_out, part_lse, out,
             *po_strides, *pl_strides,
             out.stride(0), out.stride(1),

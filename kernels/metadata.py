@@ -30,6 +30,11 @@ class AttentionMetadata:
     # Host copies, so the torch twins need no device->host sync per layer.
     query_start_loc_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
+    # Every sequence has exactly max_query_len query tokens (a verifying
+    # graph's 1 + k rows each): the Triton path may then run the split decode
+    # kernel over them (attention_triton). Set only where the batch is built
+    # so, and its kernel variants compile before serving (graph capture).
+    uniform_queries: bool = False
 
     @property
     def num_seqs(self) -> int:

@@ -5,8 +5,9 @@
 
 Each case draws a fresh cache full of random values, shuffled
 (non-contiguous) block tables, GQA ratios, head dims, block sizes, context
-lengths and batch shapes (decode-only, and mixed decode + prefill with and
-without a cached prefix), each cache of the query's dtype or of FP8 (e4m3,
+lengths and batch shapes (decode-only, mixed decode + prefill with and
+without a cached prefix, and verifying batches of the same few query
+tokens a sequence), each cache of the query's dtype or of FP8 (e4m3,
 --kv-cache-dtype fp8). write_kv must match bit for bit; attention must
 match the twin within the query dtype's tolerance (relative L2 error).
 Exit status 0 means every case passed. The interpreter must be switched on
@@ -15,6 +16,7 @@ before triton is first imported, which is why this runs as its own process.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import random
 import sys
@@ -148,9 +150,12 @@ def check_batch(batch: Batch, config=None) -> tuple[bool, float, str]:
     tol = TOLERANCE[query.dtype]
     if not err <= tol:
         return False, err, f"attention: relative error {err:.2e} > {tol:.0e}"
+    uniform = batch.meta.uniform_queries  # the split kernel's too
     if not batch.meta.is_decode_only:
         ok, err2, why = check_new_kv_rows(batch, cache, ref, config)
-        return ok, max(err, err2), why
+        if not ok or not uniform:
+            return ok, max(err, err2), why
+        err = max(err, err2)
     # The fused split reduce keeps state between calls (its counters): a
     # second call must give the same bits and leave every counter at zero.
     again = paged_attention_triton(query, cache, batch.meta, scale, config)
@@ -350,6 +355,10 @@ def check_decode_graph(gen: torch.Generator, dtype: torch.dtype,
     return worst <= tol, worst, "" if worst <= tol else f"graph replay error {worst:.2e}"
 
 
+# The verify cases' rows per KV head the split kernel takes (DecodeConfig.max_uniform_rows).
+UNIFORM_ROWS_CHECKED = 32
+
+
 def small_cases(rng: random.Random):
     """Interpreter-sized cases: every GQA ratio x head dim x block size, cycling dtypes."""
     dtypes = itertools.cycle(CASE_DTYPES)
@@ -364,6 +373,11 @@ def small_cases(rng: random.Random):
         q_lens = [1, rng.randint(2, 36), seq_lens[2]]
         q_lens[1] = min(q_lens[1], seq_lens[1])
         yield "mixed", shape, seq_lens, q_lens, 1
+        # every sequence the same few query tokens (a verifying step): a fresh prompt of just
+        # those; 33 tokens, whose last split (one token, of 16- or 32-token splits) only the
+        # last query sees; a longer one
+        q = rng.choice((2, 5))
+        yield "verify", shape, [q, 33, rng.randint(100, 300)], [q] * 3, 0
 
 
 def full_cases(rng: random.Random):
@@ -386,6 +400,11 @@ def full_cases(rng: random.Random):
         seq_lens[11] = 1500
         q_lens.append(1500)
         yield "mixed", shape, seq_lens, q_lens, 3
+        for batch_size in (1, 7, 64):
+            q = 5
+            lens = [rng.randint(q, 4096) for _ in range(batch_size)]
+            lens[0] = q if batch_size > 1 else 4096
+            yield "verify", shape, lens, [q] * batch_size, 0
 
 
 def run(size: str, seed: int, device: str, verbose: bool) -> int:
@@ -419,6 +438,11 @@ def run(size: str, seed: int, device: str, verbose: bool) -> int:
             continue
         config = configs[i % len(configs)]
         batch = make_batch(gen, seq_lens, q_lens, device=device, pad_tokens=pad, **shape)
+        if kind == "verify":  # marked uniform, with the split kernel's path for them on
+            batch.meta.uniform_queries = True
+            config = config or AttentionConfig()
+            config = dataclasses.replace(config, decode=dataclasses.replace(
+                config.decode, max_uniform_rows=UNIFORM_ROWS_CHECKED))
         ok, err, why = check_batch(batch, config)
         count += 1
         key = str(shape["dtype"]).removeprefix("torch.") + ("/fp8-kv" if is_fp8(shape["cache_dtype"]) else "")
