@@ -210,27 +210,14 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, meta: At
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     if meta.is_decode_only and num_tokens == meta.num_seqs:
         # One query row per sequence: row i belongs to sequence i.
-        d = decode_tiles(cfg.decode, key_cache.dtype)
-        grid = decode_grid(meta.num_seqs, num_kv_heads, meta.max_seq_len, _num_sms(query.device), d)
-        return decode_attention(query, key_cache, value_cache, meta.block_tables,
-                                meta.seq_lens, meta.max_seq_len, scale, out,
-                                partition_size=grid.partition_size, block_n=d.block_n,
-                                num_warps=grid.num_warps, num_stages=grid.num_stages,
-                                reduce_chunk=d.reduce_chunk, fused_max_splits=d.fused_max_splits)
+        return _split_decode(query, key_cache, value_cache, meta, scale, out, cfg.decode, 1)
     q_len, group = meta.max_query_len, num_heads // num_kv_heads
     if (meta.uniform_queries and 1 < q_len and num_tokens == meta.num_seqs * q_len
             and q_len * group <= cfg.decode.max_uniform_rows):
         # Every sequence q_len rows, its last tokens, in order: the split kernel
         # reads each KV tile once for all of them, where the prompt kernel runs
         # one program per (sequence, KV head) along the whole context.
-        d = decode_tiles(cfg.decode, key_cache.dtype)
-        grid = decode_grid(meta.num_seqs, num_kv_heads, meta.max_seq_len, _num_sms(query.device), d)
-        return decode_attention(query, key_cache, value_cache, meta.block_tables,
-                                meta.seq_lens, meta.max_seq_len, scale, out,
-                                partition_size=grid.partition_size, block_n=d.block_n,
-                                num_warps=grid.num_warps, num_stages=grid.num_stages,
-                                reduce_chunk=d.reduce_chunk, fused_max_splits=d.fused_max_splits,
-                                query_len=q_len)
+        return _split_decode(query, key_cache, value_cache, meta, scale, out, cfg.decode, q_len)
     # Chosen from host ints only (a captured graph replays the same choice).
     if num_tokens * (num_heads // num_kv_heads) >= cfg.long_prefill.block_m * meta.num_seqs:
         # Over an FP8 cache the new tokens' tiles come from the cache too: the prompt
@@ -254,6 +241,20 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, meta: At
     # Short launches (decodes beside a chunk) keep the block table for every
     # tile: the descriptors were measured on prompts only.
     return _prefill(query, key_cache, value_cache, meta, scale, out, cfg.prefill)
+
+
+def _split_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                  meta: AttentionMetadata, scale: float, out: torch.Tensor, cfg: DecodeConfig,
+                  query_len: int) -> torch.Tensor:
+    """The split decode kernel over query_len query rows a sequence."""
+    d = decode_tiles(cfg, key_cache.dtype)
+    grid = decode_grid(meta.num_seqs, key_cache.shape[2], meta.max_seq_len, _num_sms(query.device), d)
+    return decode_attention(query, key_cache, value_cache, meta.block_tables,
+                            meta.seq_lens, meta.max_seq_len, scale, out,
+                            partition_size=grid.partition_size, block_n=d.block_n,
+                            num_warps=grid.num_warps, num_stages=grid.num_stages,
+                            reduce_chunk=d.reduce_chunk, fused_max_splits=d.fused_max_splits,
+                            query_len=query_len)
 
 
 # (device, dtype, head_dim, tiles, with descriptors) whose long-prefill tiles

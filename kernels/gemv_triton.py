@@ -182,9 +182,9 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     """x [M, K] (M <= FEW_ROWS_TILE) times weight [N, K]^T (+ bias), 16-bit
     or fp32, in x's dtype: the linear layers of a verifying step of one
     sequence (1 + k rows) and of decode steps of a few sequences
-    (kernels.ops.linear). The weight
-    must not be written by the kernel launched just before (as gemv).
-    Tiles left out come from few_rows_tiles. Twin: torch.nn.functional.linear."""
+    (kernels.ops.linear). The weight must not be written by the kernel
+    launched just before (as gemv). Tiles left out come from
+    few_rows_tiles. Twin: torch.nn.functional.linear."""
     m, k = x.shape
     n = weight.shape[0]
     if m > FEW_ROWS_TILE:
