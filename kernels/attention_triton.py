@@ -219,7 +219,7 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, meta: At
         # one program per (sequence, KV head) along the whole context.
         return _split_decode(query, key_cache, value_cache, meta, scale, out, cfg.decode, q_len)
     # Chosen from host ints only (a captured graph replays the same choice).
-    if num_tokens * (num_heads // num_kv_heads) >= cfg.long_prefill.block_m * meta.num_seqs:
+    if num_tokens * group >= cfg.long_prefill.block_m * meta.num_seqs:
         # Over an FP8 cache the new tokens' tiles come from the cache too: the prompt
         # then attends to the rounded values its decodes will read.
         if new_kv is not None and not all(tma_rows_usable(rows) and rows.dtype == key_cache.dtype

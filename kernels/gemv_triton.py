@@ -96,12 +96,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     fp8 = weight.element_size() == 1
     block_k = block_k or (512 if fp8 else 1024)
     num_stages = num_stages or (4 if fp8 else 3)
-    if x.shape[1] != weight.shape[1]:
-        raise ValueError(f"gemv: x has {x.shape[1]} features, the weight {weight.shape[1]}")
-    if weight.stride(1) != 1:
-        raise ValueError("gemv: the weight's rows must be contiguous (kernels.ops.linear sends others to torch)")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x = _checked_operands("gemv", x, weight)
     m, n = x.shape[0], weight.shape[0]
     out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     step = MAX_CHANNEL_TILES * block_n
@@ -113,6 +108,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
         _launch(x, weight[lo:hi], None if weight_scale is None else weight_scale[lo:hi],
                 None if bias is None else bias[lo:hi], out[:, lo:hi], block_n, block_k, num_warps, num_stages)
     return out
+
+
+def _checked_operands(name: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] with contiguous rows, for a weight [N, K] whose rows are
+    contiguous (the kernels read them whole); a mismatch is a ValueError."""
+    if x.shape[1] != weight.shape[1]:
+        raise ValueError(f"{name}: x has {x.shape[1]} features, the weight {weight.shape[1]}")
+    if weight.stride(1) != 1:
+        raise ValueError(f"{name}: the weight's rows must be contiguous (kernels.ops.linear sends others to torch)")
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torch.Tensor],
@@ -185,16 +190,11 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     (kernels.ops.linear). The weight must not be written by the kernel
     launched just before (as gemv). Tiles left out come from
     few_rows_tiles. Twin: torch.nn.functional.linear."""
+    if x.shape[0] > FEW_ROWS_TILE:
+        raise ValueError(f"gemv_rows: {x.shape[0]} rows, more than one tile of FEW_ROWS_TILE ({FEW_ROWS_TILE})")
+    x = _checked_operands("gemv_rows", x, weight)
     m, k = x.shape
     n = weight.shape[0]
-    if m > FEW_ROWS_TILE:
-        raise ValueError(f"gemv_rows: {m} rows, more than one tile of FEW_ROWS_TILE ({FEW_ROWS_TILE})")
-    if k != weight.shape[1]:
-        raise ValueError(f"gemv_rows: x has {k} features, the weight {weight.shape[1]}")
-    if weight.stride(1) != 1:
-        raise ValueError("gemv_rows: the weight's rows must be contiguous")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out

@@ -400,8 +400,8 @@ def full_cases(rng: random.Random):
         seq_lens[11] = 1500
         q_lens.append(1500)
         yield "mixed", shape, seq_lens, q_lens, 3
+        q = 5  # a verifying step of k = 4
         for batch_size in (1, 7, 64):
-            q = 5
             lens = [rng.randint(q, 4096) for _ in range(batch_size)]
             lens[0] = q if batch_size > 1 else 4096
             yield "verify", shape, lens, [q] * batch_size, 0
