@@ -65,10 +65,11 @@ class DecodeConfig:
     # Batches marked uniform (meta.uniform_queries: every sequence the same
     # few query tokens, a verifying graph's 1 + k rows) take the split kernel
     # too, while their rows per KV head (tokens times the GQA group) fit
-    # this; 0: never (the prompt kernel). Off until timed on a GPU: checked
-    # against the twin under the interpreter only (selfcheck's verify cases
-    # turn it on), not yet run on one (docs/kernels.md, version 18).
-    max_uniform_rows: int = 0
+    # this; 0: never (the prompt kernel). 32 holds k = 7 drafts at a group of
+    # 4 (an 8B Llama) and is what selfcheck's verify cases check. SmolLM2's
+    # batch-1 verifying graph (k = 4) took 737.8 us against 904.3 with the
+    # prompt kernel, one lease (H200, docs/kernels.md, version 18).
+    max_uniform_rows: int = 32
 
     def launch_tiles(self, num_splits: int) -> tuple[int, int]:
         """(num_warps, num_stages) of a grid of num_splits splits."""
