@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from tests.lanes import LANE_ENV, ROOT, Lane, names_tests, run_lanes
+from tests.lanes import LANE_ENV, LANES, ROOT, Lane, names_tests, run_lanes
 
 
 def write_lane(folder, name: str, body: str) -> str:
@@ -77,3 +77,23 @@ def test_solo_tests_leave_the_lanes_and_run_alone():
     assert solo == ["tests/unit/test_kv_wire_gil.py::test_a_call_that_cannot_block_keeps_the_gil"]
     assert shared and not set(solo) & set(shared)
     assert sorted(solo + shared) == sorted(plain)  # outside `make test` nothing is left out
+
+
+def test_every_test_file_runs_in_exactly_one_lane():
+    """LANES' paths and ignores: a file named in two lanes would run twice, one
+    in none never (the solo run takes only tests marked solo)."""
+    def lanes_of(path: str) -> list[str]:
+        return [lane.name for lane in LANES
+                if any(path == p or path.startswith(p + "/") for p in lane.paths)
+                and not any(path == i or path.startswith(i + "/") for i in lane.ignore)]
+
+    files = [os.path.relpath(os.path.join(d, f), ROOT).replace(os.sep, "/")
+             for top in ("tests/unit", "tests/gpu", "tests/e2e")
+             for d, _, names in os.walk(os.path.join(ROOT, top)) for f in names
+             if f.startswith("test_") and f.endswith(".py")]
+    assert len(files) > 100
+    wrong = {f: lanes_of(f) for f in files if len(lanes_of(f)) != 1}
+    assert not wrong, wrong
+    for lane in LANES:  # each moved file exists, so a rename cannot drop it silently
+        for path in lane.ignore:
+            assert os.path.exists(os.path.join(ROOT, path)), path
