@@ -42,8 +42,8 @@ class Lane:
 
 # The embedded model's bf16 agreement with HF (one test, 205 s of the unit
 # lane's 2042 in a --durations=0 run on dev, the e2e lane 1718 s) runs in the
-# e2e lane, between two stacks: it holds one small model and one engine,
-# so neither lane then holds more than an engine-heavy module and a stack.
+# e2e lane, after its stack modules: it holds SmolLM2 twice (HF's and one
+# engine, a few GiB), beside at most the session's shared stack.
 MOVED_TO_E2E = ("tests/unit/test_bf16_agreement.py",)
 LANES = (Lane("e2e", ("tests/e2e", *MOVED_TO_E2E)),
          Lane("unit", ("tests/unit", "tests/gpu"), ignore=MOVED_TO_E2E))
