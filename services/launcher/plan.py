@@ -35,7 +35,7 @@ def _ephemeral_ports_start() -> int:
         return 49152  # IANA's dynamic range, what BSD and macOS use
 
 
-def _free_port(host: str, taken: set[int]) -> int:
+def free_port_below_ephemeral(host: str, taken: set[int]) -> int:
     """A port free on `host` now that no other child got, for a child to keep
     across restarts. Drawn below the kernel's ephemeral range: a port in it may
     become the local end of any outgoing connection while its child is down,
@@ -65,7 +65,7 @@ def plan_stack(args: argparse.Namespace, log_dir: str) -> tuple[Child, list[Chil
     taken = {p for p in (args.port, args.grpc_port, args.kvstore_port) if p > 0}
 
     def port(flag_value: int = 0) -> int:
-        return flag_value if flag_value > 0 else _free_port(host, taken)
+        return flag_value if flag_value > 0 else free_port_below_ephemeral(host, taken)
 
     def child(role: str, index: Optional[int], extra: list[str], grpc_port: int = 0) -> Child:
         name = role if index is None else f"{role}-{index}"
