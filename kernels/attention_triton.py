@@ -110,9 +110,23 @@ class AttentionConfig:
     # over the block table alone they matched it (H200, docs/kernels.md,
     # version 9).
     long_prefill: PrefillConfig = PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
+    # Both kinds of prompt launch over fp32 queries on a GPU (the exact
+    # checks: fp32 products are "ieee", CUDA-core FMAs, common_triton.py).
+    # The 16-bit tiles unroll into code that ptxas takes minutes over (H200:
+    # more than 60 s each for the 64 x 64 and 128 x 128 tiles at head_dim
+    # 128, docs/benchmarks.md, the thirty-first session).
+    fp32_prefill: PrefillConfig = PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=2)
 
 
 DEFAULT_CONFIG = AttentionConfig()
+
+
+@functools.lru_cache(maxsize=None)
+def prompt_tiles_for(cfg: AttentionConfig, dtype: torch.dtype, on_gpu: bool) -> AttentionConfig:
+    """cfg with fp32_prefill for both prompt launches where the query is fp32 on a GPU."""
+    if dtype == torch.float32 and on_gpu:
+        return dataclasses.replace(cfg, prefill=cfg.fp32_prefill, long_prefill=cfg.fp32_prefill)
+    return cfg
 
 
 @functools.lru_cache(maxsize=None)
@@ -219,6 +233,7 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, meta: At
         # reads each KV tile once for all of them, where the prompt kernel runs
         # one program per (sequence, KV head) along the whole context.
         return _split_decode(query, key_cache, value_cache, meta, scale, out, cfg.decode, q_len)
+    cfg = prompt_tiles_for(cfg, query.dtype, query.is_cuda)
     # Chosen from host ints only (a captured graph replays the same choice).
     if num_tokens * group >= cfg.long_prefill.block_m * meta.num_seqs:
         # Over an FP8 cache the new tokens' tiles come from the cache too: the prompt

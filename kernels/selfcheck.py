@@ -110,18 +110,14 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def twin_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                    scale: float) -> torch.Tensor:
-    """The torch twin's answer; batches with multi-token queries are computed on the CPU.
+    """The torch twin's answer, computed where the query lives.
 
-    The twin builds its causal mask with CPU aranges, which SDPA refuses to mix
-    with CUDA tensors (reported to the kernels' owner); the CPU copy sidesteps it.
+    Multi-token batches on a GPU once went through a CPU copy of the whole
+    cache (the twin's causal masks were CPU tensors, which SDPA refuses to
+    mix with CUDA ones). The masks are now built on the query's device; the
+    copy, ~1e9 elements a full-size case, made `--size full` far slower than
+    a device call allows (docs/benchmarks.md, the thirty-first session).
     """
-    if query.is_cuda and meta.max_query_len > 1:
-        cpu_meta = AttentionMetadata(
-            slot_mapping=meta.slot_mapping.cpu(), query_start_loc=meta.query_start_loc.cpu(),
-            seq_lens=meta.seq_lens.cpu(), block_tables=meta.block_tables.cpu(),
-            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
-            query_start_loc_cpu=meta.query_start_loc_cpu, seq_lens_cpu=meta.seq_lens_cpu)
-        return paged_attention_torch(query.cpu(), kv_cache.cpu(), cpu_meta, scale).to(query.device)
     return paged_attention_torch(query, kv_cache, meta, scale)
 
 
@@ -229,7 +225,7 @@ def check_new_kv_rows(batch: Batch, cache: torch.Tensor, ref: torch.Tensor,
     (a GPU without TMA) or the tiles do not fit its shared memory."""
     from triton.runtime.errors import OutOfResources
 
-    from tandem.kernels.attention_triton import DEFAULT_CONFIG
+    from tandem.kernels.attention_triton import DEFAULT_CONFIG, prompt_tiles_for
     from tandem.kernels.prefill_attention_triton import prefill_attention, tma_rows_usable
 
     if cache.dtype != batch.key.dtype:  # an FP8 cache: the engine reads every tile from it
@@ -242,7 +238,8 @@ def check_new_kv_rows(batch: Batch, cache: torch.Tensor, ref: torch.Tensor,
                 for part in fused.split([query.shape[1], key.shape[1], value.shape[1]], dim=1))
     if not all(tma_rows_usable(r) for r in rows):
         return True, 0.0, ""
-    tiles = (config or DEFAULT_CONFIG).long_prefill  # the launches that take descriptors
+    # the launches that take descriptors, with the engine's tiles for the query's dtype
+    tiles = prompt_tiles_for(config or DEFAULT_CONFIG, batch.query.dtype, batch.query.is_cuda).long_prefill
     m = batch.meta
     out = torch.empty_like(q)
     try:

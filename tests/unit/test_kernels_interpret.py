@@ -75,6 +75,20 @@ def test_layer_op_kernels_match_torch_twins_under_interpreter() -> None:
     assert "checked 75 cases, 0 failed" in out, out
 
 
+def test_fp32_prompt_launches_on_a_gpu_take_the_small_tiles_and_others_keep_theirs() -> None:
+    # The 16-bit tiles over exact fp32 products took ptxas minutes on an H200
+    # (attention_triton.AttentionConfig.fp32_prefill); the decode tiles stay.
+    import torch
+
+    from tandem.kernels.attention_triton import DEFAULT_CONFIG, prompt_tiles_for
+
+    fp32 = prompt_tiles_for(DEFAULT_CONFIG, torch.float32, True)
+    assert fp32.prefill == fp32.long_prefill == DEFAULT_CONFIG.fp32_prefill
+    assert fp32.decode == DEFAULT_CONFIG.decode and fp32.long_prefill != DEFAULT_CONFIG.long_prefill
+    for dtype, on_gpu in ((torch.bfloat16, True), (torch.float16, True), (torch.float32, False)):
+        assert prompt_tiles_for(DEFAULT_CONFIG, dtype, on_gpu) is DEFAULT_CONFIG, (dtype, on_gpu)
+
+
 @pytest.mark.timeout(120)
 def test_fused_moe_kernels_match_torch_twin_under_interpreter() -> None:
     # Grouped gate/up and down GEMMs over expert-sorted rows: 2-8 experts,
