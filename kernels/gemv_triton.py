@@ -1,8 +1,10 @@
 """One row of activations times a weight matrix, on the CUDA cores: the
 linear layers of a decode step of one sequence, for 16-bit weights and for
 e4m3 weights with per-channel scales (weight-only: the row stays in the
-model dtype, fp8_torch.WEIGHT_ONLY_MAX_ROWS). And a few rows (up to 16) at
-once on the tensor cores, 16-bit weights: gemv_rows, below.
+model dtype, fp8_torch.WEIGHT_ONLY_MAX_ROWS). Two rows of large 16-bit
+weights on the CUDA cores, each weight tile read once for both: gemv_pair.
+And a few rows (up to 16) at once on the tensor cores, 16-bit weights:
+gemv_rows, below.
 
 A step of one row reads every weight once and multiplies it once: there is
 no tile to reuse, so the work is streaming the weight through the
@@ -14,6 +16,7 @@ On an H200 this made the bf16 batch-1 decode step of an 8B Llama 4.71 ->
 
 Twins: torch.nn.functional.linear (16-bit weights) and
 fp8_torch.fp8_linear_torch(..., weight_only=True) (e4m3 weights).
+gemv_pair's and gemv_rows' twin is torch.nn.functional.linear.
 """
 from __future__ import annotations
 
@@ -130,6 +133,87 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torch.
         x.stride(0), weight.stride(0), out.stride(0), HAS_SCALE=weight_scale is not None,
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=num_stages, **pdl_launch(x),
         num_warps=num_warps)
+
+
+@triton.jit
+def _gemv_pair_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out,
+                      HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      STAGES: tl.constexpr, PDL: tl.constexpr):
+    """The one-row kernel's loop over ROWS rows of x at once: each weight
+    tile, widened once, multiplies every row (the accumulator is [ROWS,
+    BLOCK_N, BLOCK_K], summed over K at the end), so the weight streams from
+    HBM once for all of them. The products stay on the CUDA cores, whose
+    fp32 rate covers two rows of an 8B Llama's layers within their stream
+    time; from four rows on cuBLAS's tensor cores win (docs/benchmarks.md,
+    the thirty-first session). First weight tile before the PDL wait, as in
+    the one-row kernel."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * ROWS + tl.arange(0, ROWS)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w
+    ks = tl.arange(0, BLOCK_K)
+    w_first = tl.load(w_rows + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)
+    pdl_prologue(PDL)
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_x
+    x = tl.load(x_rows + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0).to(tl.float32)
+    acc = w_first.to(tl.float32)[None, :, :] * x[:, None, :]
+    for start in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+        ks = start + tl.arange(0, BLOCK_K)
+        x = tl.load(x_rows + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0).to(tl.float32)
+        w = tl.load(w_rows + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0).to(tl.float32)
+        acc += w[None, :, :] * x[:, None, :]
+    out = tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+# Rows one program of gemv_pair multiplies: the accumulator grows with them,
+# and past two rows the tensor cores win anyway.
+PAIR_ROWS = 2
+
+
+def gemv_pair_tiles(n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, stages) of gemv_pair, 4 warps: the best of 24
+    tilings at 2 bf16 rows of an 8B Llama's layers, each call reading its
+    weight from HBM (H200, docs/benchmarks.md, the thirty-first session):
+    wide outputs over short rows (6144 x 4096: 15.4 us, cuBLAS 16.0) take
+    narrow tiles over whole 1024-wide runs of K; long rows (4096 x 14336:
+    29.3, cuBLAS 31.1) 16 channels; the rest (4096 x 4096: 10.2, cuBLAS
+    12.6) 8 channels by 512."""
+    if k > 4096:
+        return 16, 512, 3
+    if n >= 6144:
+        return 4, 1024, 4
+    return 8, 512, 3
+
+
+def gemv_pair(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+              block_n: Optional[int] = None, block_k: Optional[int] = None, num_stages: Optional[int] = None,
+              num_warps: int = 4) -> torch.Tensor:
+    """x [M, K] times weight [N, K]^T (+ bias), 16-bit, in x's dtype, PAIR_ROWS
+    rows a program: the linear layers of a decode step of two sequences over
+    weights too large for the few-row kernel (kernels.ops.linear). Any M
+    works (M > PAIR_ROWS rereads the weight once a pair). The weight must
+    not be written by the kernel launched just before (as gemv). Tiles left
+    out come from gemv_pair_tiles. Twin: torch.nn.functional.linear."""
+    x = _checked_operands("gemv_pair", x, weight)
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    tiles = gemv_pair_tiles(n, k)
+    block_n, block_k, num_stages = block_n or tiles[0], block_k or tiles[1], num_stages or tiles[2]
+    if triton.cdiv(n, block_n) > MAX_CHANNEL_TILES:
+        raise ValueError(f"gemv_pair: {n} outputs are more than {MAX_CHANNEL_TILES} tiles of {block_n}")
+    _gemv_pair_kernel[(triton.cdiv(m, PAIR_ROWS), triton.cdiv(n, block_n))](
+        x, weight, weight if bias is None else bias, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, ROWS=PAIR_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=num_stages,
+        **pdl_launch(x), num_warps=num_warps)
+    return out
 
 
 # Rows of x one program of the few-row kernel multiplies at once (the

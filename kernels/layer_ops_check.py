@@ -1,7 +1,7 @@
 """Check the per-layer Triton kernels (layer_ops_triton.py) against their
 torch twins: RMSNorm with and without the residual add, per-head RMSNorm on
 a strided view, rotary embedding on views of a fused QKV output,
-SiLU-and-multiply, and the GEMVs of one-row and few-row linear layers (gemv_triton.py)
+SiLU-and-multiply, and the GEMVs of one-row, two-row and few-row linear layers (gemv_triton.py)
 against torch's linear; fp32, bf16 and fp16; power-of-two and other widths.
 
     TRITON_INTERPRET=1 python -m tandem.kernels.layer_ops_check --device cpu   # CI, no GPU
@@ -32,7 +32,7 @@ def close(out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
 
 def cases(device: str):
     from tandem.kernels import gemv_triton
-    from tandem.kernels.gemv_triton import FEW_ROWS_TILE, gemv, gemv_rows
+    from tandem.kernels.gemv_triton import FEW_ROWS_TILE, gemv, gemv_pair, gemv_rows
     from tandem.kernels.layer_ops_triton import rms_norm_triton, rotary_triton, silu_and_mul_triton
 
     gen = torch.Generator().manual_seed(0)
@@ -84,6 +84,14 @@ def cases(device: str):
             b = rand(n, dtype=dtype) if has_bias else None
             yield (f"gemv_rows {dtype} {rows}x{k} times {n}x{k}{' + bias' if has_bias else ''}",
                    close(gemv_rows(x, w, b), torch.nn.functional.linear(x, w, b)))
+        # Two rows a program: a pair, one row, a pair and a half (the last row masked); widths off
+        # its tiles, and the default tiles of a long row (gemv_pair_tiles)
+        for rows, k, n, has_bias, tiles in ((2, 96, 40, False, (8, 64, 2)), (1, 1100, 72, True, (4, 256, 3)),
+                                            (3, 300, 33, True, (16, 128, 3)), (2, 4100, 20, False, (None,) * 3)):
+            x, w = rand(rows, k, dtype=dtype), rand(n, k, dtype=dtype)
+            b = rand(n, dtype=dtype) if has_bias else None
+            yield (f"gemv_pair {dtype} {rows}x{k} times {n}x{k}{' + bias' if has_bias else ''}",
+                   close(gemv_pair(x, w, b, *tiles), torch.nn.functional.linear(x, w, b)))
         # more channel tiles than a grid takes (gemv_triton.MAX_CHANNEL_TILES): launched slice by slice
         x, w, b = rand(1, 64, dtype=dtype), rand(100, 64, dtype=dtype), rand(100, dtype=dtype)
         limit, gemv_triton.MAX_CHANNEL_TILES = gemv_triton.MAX_CHANNEL_TILES, 3

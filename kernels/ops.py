@@ -154,6 +154,11 @@ FEW_ROWS_MAX = 16
 # (28672 x 4096 at 5 rows: 59.3 against 56.9 us), so they stay with cuBLAS.
 WIDE_N = 32768
 FEW_ROWS_MAX_WEIGHT = 1 << 23
+# Two rows over those larger weights take gemv_pair (the CUDA cores), but
+# for outputs this wide, which cuBLAS streams faster (an 8B Llama's
+# 28672 x 4096 gate/up at 2 rows: 56.3 against 59.3 us; H200,
+# docs/benchmarks.md, the thirty-first session).
+PAIR_MAX_N = 16384
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -165,19 +170,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     few-row kernel, which reads each weight tile once for all of them and
     waits for the kernel before on the GPU (a dependent launch), where
     cuBLAS's small-M GEMMs take 3-5 us a call however small the layer, and
-    leave the GPU idle between launches. fp32 rows keep cuBLAS's arithmetic
+    leave the GPU idle between launches. Two rows over larger weights take
+    gemv_pair (an 8B Llama's batch-2 step 4.66 -> 4.46 ms, H200). fp32 rows keep cuBLAS's arithmetic
     (the token-exact GPU tests run in fp32), and more rows reuse each weight
     tile enough for cuBLAS."""
     n, k = weight.shape
     rows = x.numel() // k if k else 0
     if (_gemv_on and 1 <= rows <= FEW_ROWS_MAX and _use_triton(x) and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == x.dtype and weight.stride(-1) == 1):  # the kernels read weight rows whole
-        from tandem.kernels.gemv_triton import gemv, gemv_rows
+        from tandem.kernels.gemv_triton import PAIR_ROWS, gemv, gemv_pair, gemv_rows
 
         if rows == 1 and not (n >= WIDE_N and k < 1024):
             return gemv(x.reshape(1, k), weight, bias).reshape(*x.shape[:-1], n)
         if rows > 1 and n < WIDE_N and n * k <= FEW_ROWS_MAX_WEIGHT:
             return gemv_rows(x.reshape(rows, k), weight, bias).reshape(*x.shape[:-1], n)
+        if rows == PAIR_ROWS and n < PAIR_MAX_N:
+            return gemv_pair(x.reshape(rows, k), weight, bias).reshape(*x.shape[:-1], n)
     return torch.nn.functional.linear(x, weight, bias)
 
 

@@ -43,9 +43,10 @@ def test_layer_op_kernels_match_torch_twins_on_gpu() -> None:
 
 def test_few_16bit_rows_take_the_gemv_kernels_and_other_rows_cublas(monkeypatch) -> None:
     """kernels.ops.linear: a single bf16/fp16 row goes through the Triton
-    GEMV, 2-16 rows through the few-row kernel; 17 rows, an fp32 row, a
-    vocabulary-wide weight over short rows, a large weight at 2-16 rows, a
-    weight of non-contiguous rows, the torch backend and TANDEM_GEMV=0 go
+    GEMV, 2-16 rows through the few-row kernel, 2 rows of a large weight
+    through gemv_pair; 17 rows, an fp32 row, a vocabulary-wide weight over
+    short rows, a large weight at 3-16 rows or as wide as PAIR_MAX_N at 2,
+    a weight of non-contiguous rows, the torch backend and TANDEM_GEMV=0 go
     to torch's linear; every answer agrees with torch's."""
     from tandem.kernels import gemv_triton, ops
 
@@ -59,8 +60,13 @@ def test_few_16bit_rows_take_the_gemv_kernels_and_other_rows_cublas(monkeypatch)
         calls.append(("rows", args[0].shape))
         return real_rows(*args, **kwargs)
 
-    real, real_rows = gemv_triton.gemv, gemv_triton.gemv_rows
+    def counted_pair(*args, **kwargs):
+        calls.append(("pair", args[0].shape))
+        return real_pair(*args, **kwargs)
+
+    real, real_rows, real_pair = gemv_triton.gemv, gemv_triton.gemv_rows, gemv_triton.gemv_pair
     monkeypatch.setattr(gemv_triton, "gemv_rows", counted_rows)
+    monkeypatch.setattr(gemv_triton, "gemv_pair", counted_pair)
     monkeypatch.setattr(gemv_triton, "gemv", counted)
     w = torch.randn(72, 1100, device="cuda")
     b = torch.randn(72, device="cuda")
@@ -79,7 +85,7 @@ def test_few_16bit_rows_take_the_gemv_kernels_and_other_rows_cublas(monkeypatch)
     x3 = torch.randn(2, 3, 1100, device="cuda", dtype=torch.bfloat16)
     assert ops.linear(x3, w.bfloat16()).shape == (2, 3, 72) and calls == [("rows", (6, 1100))]
     # a vocabulary-wide weight over short rows stays with cuBLAS at any row count, and so do
-    # weights of more than FEW_ROWS_MAX_WEIGHT elements at 2-16 rows (one row: the GEMV)
+    # weights of more than FEW_ROWS_MAX_WEIGHT elements at 3-16 rows (one row: the GEMV; two: gemv_pair)
     calls.clear()
     head = torch.randn(ops.WIDE_N, 64, device="cuda", dtype=torch.bfloat16)
     for rows in (1, 5):
@@ -92,6 +98,16 @@ def test_few_16bit_rows_take_the_gemv_kernels_and_other_rows_cublas(monkeypatch)
     assert not calls
     ops.linear(torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16), big)
     assert [c[0] for c in calls] == ["gemv"]
+    calls.clear()
+    x2 = torch.randn(2, 4096, device="cuda", dtype=torch.bfloat16)
+    out = ops.linear(x2, big)
+    ref = torch.nn.functional.linear(x2.float(), big.float())
+    assert calls == [("pair", (2, 4096))] and (out.float() - ref).abs().max() <= 2 ** -6 * ref.abs().max()
+    calls.clear()
+    wide = torch.empty(ops.PAIR_MAX_N, 1024, device="cuda", dtype=torch.bfloat16).normal_()
+    assert wide.numel() > ops.FEW_ROWS_MAX_WEIGHT
+    ops.linear(torch.randn(2, 1024, device="cuda", dtype=torch.bfloat16), wide)
+    assert not calls
     # a weight whose rows are not contiguous (a transposed view) stays with torch
     calls.clear()
     w_t = w.bfloat16().t().contiguous().t()

@@ -70,9 +70,10 @@ def test_selfcheck_refuses_cpu_without_interpreter() -> None:
 def test_layer_op_kernels_match_torch_twins_under_interpreter() -> None:
     # RMSNorm (plain, with the residual add, per head on a strided view), rotary
     # embedding on views of a fused QKV row, SiLU-and-multiply, the one-row
-    # linear layer's GEMV and the few-row kernel (1, 5 and 16 rows); fp32/bf16/fp16.
+    # linear layer's GEMV, the two-row GEMV (1, 2 and 3 rows) and the few-row
+    # kernel (1, 5 and 16 rows); fp32/bf16/fp16.
     out = run_check_module("layer_ops_check", timeout_s=240)
-    assert "checked 75 cases, 0 failed" in out, out
+    assert "checked 87 cases, 0 failed" in out, out
 
 
 def test_fp32_prompt_launches_on_a_gpu_take_the_small_tiles_and_others_keep_theirs() -> None:
