@@ -20,7 +20,7 @@ from tandem.engine.request import Request, RequestStatus, SamplingParams
 from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.spec_decode.config import SpeculativeConfig
-from tandem.engine.spec_decode.ngram_proposer import NgramProposer, propose_ngram_batch
+from tandem.engine.spec_decode.ngram_proposer import TOKEN_BYTES, NgramProposer, encode, propose_ngram
 from tandem.engine.spec_decode.rejection_sampler import RejectionSampler, accept_greedy
 
 BS = 4  # tokens per block: drafts cross block boundaries often
@@ -228,7 +228,8 @@ def test_rejection_sampling_keeps_the_targets_distribution():
     ([1, 2, 3, 1], 2, 3, 2, []),  # only shorter than prompt_lookup_min
 ])
 def test_prompt_lookup_proposes_what_followed_the_suffix(tokens, lo, hi, k, want):
-    assert propose_ngram_batch([np.array(tokens, dtype=np.int64)], lo, hi, [k]) == [want]
+    assert propose_ngram(tokens, lo, hi, k) == want
+    assert propose_ngram(tokens, lo, hi, k, bytearray(encode(tokens))) == want
 
 
 def _lookup_by_definition(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
@@ -246,17 +247,35 @@ def _lookup_by_definition(tokens: list[int], lo: int, hi: int, k: int) -> list[i
     return []
 
 
-def test_prompt_lookup_follows_its_rule_on_random_batches():
-    """Each sequence of a batch gets what the rule gives it alone."""
+def test_prompt_lookup_follows_its_rule_on_random_sequences():
     rng = random.Random(11)
-    for _ in range(400):
-        sequences = [[rng.randrange(4) for _ in range(rng.randrange(1, 40))] for _ in range(rng.randrange(1, 7))]
+    for _ in range(2000):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
         lo = rng.randrange(1, 4)
         hi = lo + rng.randrange(0, 4)
-        ks = [rng.randrange(0, 7) for _ in sequences]
-        arrays = [np.array(s, dtype=np.int64) for s in sequences]
-        assert propose_ngram_batch(arrays, lo, hi, ks) == \
-            [_lookup_by_definition(s, lo, hi, k) for s, k in zip(sequences, ks)], (sequences, lo, hi, ks)
+        k = rng.randrange(0, 7)
+        assert propose_ngram(tokens, lo, hi, k) == _lookup_by_definition(tokens, lo, hi, k), (tokens, lo, hi, k)
+
+
+def test_prompt_lookup_skips_byte_matches_that_straddle_two_tokens():
+    """The search runs over the tokens' bytes: the needle's bytes may also
+    appear across a token boundary, which is no token match."""
+    assert TOKEN_BYTES == 4
+    little = np.little_endian
+    a, b = (16777216, 2) if little else (1, 33554432)  # bytes 00 00 00 01 | 02 00 00 00 (little-endian)
+    x = 513 if little else 16908288  # bytes 01 02 00 00: at byte 3 of a, b
+    assert encode([a, b]).find(encode([x])) == 3
+    assert propose_ngram([a, b, 5, x], 1, 1, 2) == []  # x occurs earlier only across a | b
+    # the aligned occurrence at 0, before the straddling one, is the match
+    assert propose_ngram([x, 7, a, b, 5, x], 1, 2, 2) == [7, a]
+    rng = random.Random(12)
+    values = (0, 1, 256, 65536, a, b, x, 257)
+    for _ in range(3000):
+        tokens = [rng.choice(values) for _ in range(rng.randrange(1, 30))]
+        lo = rng.randrange(1, 3)
+        hi = lo + rng.randrange(0, 3)
+        k = rng.randrange(1, 5)
+        assert propose_ngram(tokens, lo, hi, k) == _lookup_by_definition(tokens, lo, hi, k), (tokens, lo, hi, k)
 
 
 def test_the_ngram_proposer_keeps_each_requests_tokens_up_to_date():
