@@ -123,6 +123,12 @@ def _checked_operands(name: str, x: torch.Tensor, weight: torch.Tensor) -> torch
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _operands_and_output(name: str, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x checked against weight (_checked_operands), and the [M, N] output in x's dtype."""
+    x = _checked_operands(name, x, weight)
+    return x, torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torch.Tensor],
             bias: Optional[torch.Tensor], out: torch.Tensor, block_n: int, block_k: int, num_warps: int,
             num_stages: int) -> None:
@@ -199,10 +205,8 @@ def gemv_pair(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     works (M > PAIR_ROWS rereads the weight once a pair). The weight must
     not be written by the kernel launched just before (as gemv). Tiles left
     out come from gemv_pair_tiles. Twin: torch.nn.functional.linear."""
-    x = _checked_operands("gemv_pair", x, weight)
-    m, k = x.shape
-    n = weight.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    x, out = _operands_and_output("gemv_pair", x, weight)
+    (m, k), n = x.shape, weight.shape[0]
     if m == 0:
         return out
     tiles = gemv_pair_tiles(n, k)
@@ -276,10 +280,8 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     few_rows_tiles. Twin: torch.nn.functional.linear."""
     if x.shape[0] > FEW_ROWS_TILE:
         raise ValueError(f"gemv_rows: {x.shape[0]} rows, more than one tile of FEW_ROWS_TILE ({FEW_ROWS_TILE})")
-    x = _checked_operands("gemv_rows", x, weight)
-    m, k = x.shape
-    n = weight.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    x, out = _operands_and_output("gemv_rows", x, weight)
+    (m, k), n = x.shape, weight.shape[0]
     if m == 0:
         return out
     tiles = few_rows_tiles(n, k)
