@@ -112,9 +112,9 @@ class AttentionConfig:
     long_prefill: PrefillConfig = PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
     # Both kinds of prompt launch over fp32 queries on a GPU (the exact
     # checks: fp32 products are "ieee", CUDA-core FMAs, common_triton.py).
-    # The 16-bit tiles unroll into code that ptxas takes minutes over (H200:
-    # more than 60 s each for the 64 x 64 and 128 x 128 tiles at head_dim
-    # 128, docs/benchmarks.md, the thirty-first session).
+    # The 16-bit tiles unroll into code that ptxas takes minutes over (H200,
+    # head_dim 128: over 190 s for one batch, first on the 128 x 128 tiles,
+    # then on the 64 x 64 ones; docs/benchmarks.md, the thirty-first session).
     fp32_prefill: PrefillConfig = PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=2)
 
 

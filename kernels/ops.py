@@ -171,9 +171,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     waits for the kernel before on the GPU (a dependent launch), where
     cuBLAS's small-M GEMMs take 3-5 us a call however small the layer, and
     leave the GPU idle between launches. Two rows over larger weights take
-    gemv_pair (an 8B Llama's batch-2 step 4.66 -> 4.46 ms, H200). fp32 rows keep cuBLAS's arithmetic
-    (the token-exact GPU tests run in fp32), and more rows reuse each weight
-    tile enough for cuBLAS."""
+    gemv_pair (an 8B Llama's batch-2 step period 4.72 -> 4.43 ms, H200).
+    fp32 rows keep cuBLAS's arithmetic (the token-exact GPU tests run in
+    fp32), and more rows reuse each weight tile enough for cuBLAS."""
     n, k = weight.shape
     rows = x.numel() // k if k else 0
     if (_gemv_on and 1 <= rows <= FEW_ROWS_MAX and _use_triton(x) and x.dtype in (torch.bfloat16, torch.float16)

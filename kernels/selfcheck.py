@@ -113,10 +113,9 @@ def twin_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionM
     """The torch twin's answer, computed where the query lives.
 
     Multi-token batches on a GPU once went through a CPU copy of the whole
-    cache (the twin's causal masks were CPU tensors, which SDPA refuses to
-    mix with CUDA ones). The masks are now built on the query's device; the
-    copy, ~1e9 elements a full-size case, made `--size full` far slower than
-    a device call allows (docs/benchmarks.md, the thirty-first session).
+    cache, ~1e9 elements a full-size case (the twin's causal masks were CPU
+    tensors, which SDPA refuses to mix with CUDA ones). The masks are now
+    built on the query's device.
     """
     return paged_attention_torch(query, kv_cache, meta, scale)
 
