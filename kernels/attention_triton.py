@@ -121,12 +121,15 @@ class AttentionConfig:
 DEFAULT_CONFIG = AttentionConfig()
 
 
-@functools.lru_cache(maxsize=None)
 def prompt_tiles_for(cfg: AttentionConfig, dtype: torch.dtype, on_gpu: bool) -> AttentionConfig:
-    """cfg with fp32_prefill for both prompt launches where the query is fp32 on a GPU."""
-    if dtype == torch.float32 and on_gpu:
-        return dataclasses.replace(cfg, prefill=cfg.fp32_prefill, long_prefill=cfg.fp32_prefill)
-    return cfg
+    """cfg with fp32_prefill for both prompt launches where the query is fp32
+    on a GPU; cfg itself otherwise (no hashing of cfg on the 16-bit path)."""
+    return _with_fp32_tiles(cfg) if dtype == torch.float32 and on_gpu else cfg
+
+
+@functools.lru_cache(maxsize=None)
+def _with_fp32_tiles(cfg: AttentionConfig) -> AttentionConfig:
+    return dataclasses.replace(cfg, prefill=cfg.fp32_prefill, long_prefill=cfg.fp32_prefill)
 
 
 @functools.lru_cache(maxsize=None)

@@ -75,7 +75,7 @@ class NgramProposer:
             raise ValueError(f"prompt lookup needs 1 <= min ({min_n}) <= max ({max_n})")
         self.min_n = min_n
         self.max_n = max_n
-        self._tokens: dict[str, tuple["Request", bytearray, int]] = {}  # id -> (request, buffer, tokens in it)
+        self._tokens: dict[str, tuple["Request", bytearray]] = {}  # id -> (request, its search buffer)
 
     def bind(self, num_blocks: int, max_model_len: int, enable_caching: bool) -> None:
         pass
@@ -91,12 +91,13 @@ class NgramProposer:
     def _buffer(self, request: "Request") -> bytearray:
         tokens = request.all_token_ids
         entry = self._tokens.get(request.request_id)
+        encoded = len(entry[1]) // TOKEN_BYTES if entry is not None else 0
         # New, a new request under the same id, or (never expected) fewer tokens than encoded.
-        if entry is None or entry[0] is not request or len(tokens) < entry[2]:
+        if entry is None or entry[0] is not request or len(tokens) < encoded:
             buffer = bytearray(encode(tokens))
+            self._tokens[request.request_id] = (request, buffer)
         else:
             buffer = entry[1]
-            if len(tokens) > entry[2]:
-                buffer += encode(tokens[entry[2]:])
-        self._tokens[request.request_id] = (request, buffer, len(tokens))
+            if len(tokens) > encoded:
+                buffer += encode(tokens[encoded:])  # in place: the entry holds the same object
         return buffer
