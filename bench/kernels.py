@@ -289,7 +289,7 @@ class DecodeBench:
                          fraction_of_copy=0.0, max_rel_error=err, partition_size=grid.partition_size,
                          same_size_copy_gbps=copy_gbps,
                          fraction_of_same_size_copy=gbps / copy_gbps if copy_gbps else 0.0,
-                         config=f"block_n={d.block_n} programs_per_sm={d.programs_per_sm} "
+                         config=f"block_n={grid.block_n} programs_per_sm={d.programs_per_sm} "
                                 f"warps={grid.num_warps} stages={grid.num_stages} "
                                 f"fused_max_splits={d.fused_max_splits}")
 
@@ -412,7 +412,8 @@ def run_tile_sweep(bench: DecodeBench, args: argparse.Namespace, ceilings: Ceili
             for stages in (2, 3, 4):
                 # one tile for every grid, split or not
                 d = replace(base, block_n=block_n, fp8_block_n=block_n, num_warps=warps, num_stages=stages,
-                            single_num_warps=0, fp8_single_num_warps=0)
+                            single_num_warps=0, single_num_stages=0, single_block_n=0,
+                            fp8_single_num_warps=0, fp8_single_num_stages=0, fp8_single_block_n=0)
                 cfg = AttentionConfig(decode=d)
                 try:
                     rows = [bench.run(b, c, cfg, check=True, same_size_copy=False) for b, c in args.sweep_shapes]

@@ -52,16 +52,28 @@ class DecodeConfig:
     # launches with these warps and stages instead; 0: num_warps, num_stages.
     single_num_warps: int = 0
     single_num_stages: int = 0
+    # ... and with tiles of single_block_n tokens where it has at least
+    # single_block_n_from programs (sequences times KV heads) an SM; 0:
+    # block_n. Not used unless it divides block_n (the host's partitions
+    # are whole block_n tiles).
+    single_block_n: int = 0
+    single_block_n_from: int = 0
     # The tiles over an FP8 cache (decode_tiles): 128 tokens of 1-byte
     # elements, and 2-warp, 2-stage programs where the grid does not split.
     # Widened to fp16, a 128-token tile's keys and values hold 4-warp programs
     # to 2 an SM by registers (207 a thread), which waited on their loads at
     # half the copy bandwidth; 2-warp programs fit twice as many, and read
     # 1.25x faster at 256 x 512 and 256 x 2048, while split grids (a few
-    # sequences) ran faster with 4 warps (H200, docs/benchmarks.md).
+    # sequences) ran faster with 4 warps. From about 16 programs an SM
+    # (Llama-3-8B's 8 KV heads at 256 sequences on 132 SMs), 64-token tiles
+    # took 4-15% less time than 128 at contexts of 520-1280; at 4 and 8 an
+    # SM (64 and 128 sequences) 11-14% more (H200, docs/benchmarks.md). 12
+    # lies between the measured sides.
     fp8_block_n: int = 128
     fp8_single_num_warps: int = 2
     fp8_single_num_stages: int = 2
+    fp8_single_block_n: int = 64
+    fp8_single_block_n_from: int = 12
     # Batches marked uniform (meta.uniform_queries: every sequence the same
     # few query tokens, a verifying graph's 1 + k rows) take the split kernel
     # too, while their rows per KV head (tokens times the GQA group) fit
@@ -71,11 +83,15 @@ class DecodeConfig:
     # prompt kernel, one lease (H200, docs/kernels.md, version 18).
     max_uniform_rows: int = 32
 
-    def launch_tiles(self, num_splits: int) -> tuple[int, int]:
-        """(num_warps, num_stages) of a grid of num_splits splits."""
-        if num_splits == 1 and self.single_num_warps:
-            return self.single_num_warps, self.single_num_stages or self.num_stages
-        return self.num_warps, self.num_stages
+    def launch_tiles(self, num_splits: int, programs_per_sm: float) -> tuple[int, int, int]:
+        """(num_warps, num_stages, block_n) of a grid of num_splits splits whose
+        sequences times KV heads are programs_per_sm an SM."""
+        if num_splits == 1:
+            short = (self.single_block_n and self.block_n % self.single_block_n == 0
+                     and programs_per_sm >= self.single_block_n_from)
+            return (self.single_num_warps or self.num_warps, self.single_num_stages or self.num_stages,
+                    self.single_block_n if short else self.block_n)
+        return self.num_warps, self.num_stages, self.block_n
 
 
 @functools.lru_cache(maxsize=None)  # asked by every eager decode attention call: once per config
@@ -84,7 +100,9 @@ def decode_tiles(cfg: DecodeConfig, cache_dtype: Optional[torch.dtype]) -> Decod
     (the fp8_* fields)."""
     if cache_dtype is not None and is_fp8(cache_dtype):
         return dataclasses.replace(cfg, block_n=cfg.fp8_block_n, single_num_warps=cfg.fp8_single_num_warps,
-                                   single_num_stages=cfg.fp8_single_num_stages)
+                                   single_num_stages=cfg.fp8_single_num_stages,
+                                   single_block_n=cfg.fp8_single_block_n,
+                                   single_block_n_from=cfg.fp8_single_block_n_from)
     return cfg
 
 
@@ -160,14 +178,15 @@ class DecodeGrid(NamedTuple):
     num_splits: int  # the grid's split count
     num_warps: int  # of such a grid (DecodeConfig.launch_tiles)
     num_stages: int
+    block_n: int
 
 
 def decode_grid(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
                 cfg: DecodeConfig) -> DecodeGrid:
-    """The decode launch of a batch: its splits, and the warps and stages of that grid."""
+    """The decode launch of a batch: its splits, and the tiles of that grid."""
     partition = decode_partition_size(num_seqs, num_kv_heads, max_seq_len, num_sms, cfg)
     splits = num_splits_of(max_seq_len, partition)
-    return DecodeGrid(partition, splits, *cfg.launch_tiles(splits))
+    return DecodeGrid(partition, splits, *cfg.launch_tiles(splits, num_seqs * num_kv_heads / num_sms))
 
 
 def decode_variants(num_heads: int, num_kv_heads: int, head_dim: int, max_model_len: int,
@@ -183,20 +202,22 @@ def decode_variants(num_heads: int, num_kv_heads: int, head_dim: int, max_model_
     num_sms = _num_sms(device)
     group = num_heads // num_kv_heads
     found: dict[DecodeChoices, tuple[int, int]] = {}
-    # The batch size acts only through the split count it wants: one size for each.
-    wanted: set[int] = set()
+    # The batch size acts only through the split count it wants and whether a
+    # grid of one split takes the short tiles: one size for each.
+    wanted: set[tuple[int, bool]] = set()
     for num_seqs in range(1, max_num_seqs + 1):
         want = triton.cdiv(d.programs_per_sm * num_sms, num_seqs * num_kv_heads)
-        if want in wanted:
+        short = num_seqs * num_kv_heads >= d.single_block_n_from * num_sms
+        if (want, short) in wanted:
             continue
-        wanted.add(want)
+        wanted.add((want, short))
         # The split count is constant between multiples of block_n (partitions are
         # multiples of it): one length in each such span, its end.
         for length in range(d.block_n, max_model_len + d.block_n, d.block_n):
             length = min(length, max_model_len)
             grid = decode_grid(num_seqs, num_kv_heads, length, num_sms, d)
             key = decode_choices(grid.num_splits, group, head_dim, d.reduce_chunk, d.fused_max_splits,
-                                 grid.num_warps)
+                                 grid.num_warps, grid.block_n)
             found.setdefault(key, (num_seqs, length))
     return found
 
@@ -270,7 +291,7 @@ def _split_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     grid = decode_grid(meta.num_seqs, key_cache.shape[2], meta.max_seq_len, _num_sms(query.device), d)
     return decode_attention(query, key_cache, value_cache, meta.block_tables,
                             meta.seq_lens, meta.max_seq_len, scale, out,
-                            partition_size=grid.partition_size, block_n=d.block_n,
+                            partition_size=grid.partition_size, block_n=grid.block_n,
                             num_warps=grid.num_warps, num_stages=grid.num_stages,
                             reduce_chunk=d.reduce_chunk, fused_max_splits=d.fused_max_splits,
                             query_len=query_len)

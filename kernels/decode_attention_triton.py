@@ -325,6 +325,7 @@ class DecodeChoices:
     split_chunk: int  # the partition kernel's SPLIT_CHUNK (read only when fused; else 2)
     reduce_splits_pad: int  # the reduce kernel's SPLITS_PAD (0: no reduce launch)
     reduce_chunk: int  # the reduce kernel's SPLIT_CHUNK (0: no reduce launch)
+    block_n: int  # KV tokens a tile
 
 
 def num_splits_of(max_seq_len: int, partition_size: int) -> int:
@@ -333,7 +334,7 @@ def num_splits_of(max_seq_len: int, partition_size: int) -> int:
 
 
 def decode_choices(num_splits: int, group: int, head_dim: int, reduce_chunk: int,
-                   fused_max_splits: int, num_warps: int) -> DecodeChoices:
+                   fused_max_splits: int, num_warps: int, block_n: int) -> DecodeChoices:
     single = num_splits == 1
     fused = 1 < num_splits <= fused_max_splits
     splits_pad = triton.next_power_of_2(num_splits)
@@ -341,7 +342,7 @@ def decode_choices(num_splits: int, group: int, head_dim: int, reduce_chunk: int
     # One value where the kernel does not read it: another would be another variant.
     split_chunk = min(reduce_chunk, _combine_chunk(splits_pad, group, head_dim, num_warps)) if fused else 2
     return DecodeChoices(single, fused, split_chunk,
-                         splits_pad if reduced else 0, min(reduce_chunk, splits_pad) if reduced else 0)
+                         splits_pad if reduced else 0, min(reduce_chunk, splits_pad) if reduced else 0, block_n)
 
 
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -371,7 +372,7 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     group = num_heads // num_kv_heads
     assert partition_size % block_n == 0, (partition_size, block_n)
     num_splits = num_splits_of(max_seq_len, partition_size)
-    choices = decode_choices(num_splits, group, head_dim, reduce_chunk, fused_max_splits, num_warps)
+    choices = decode_choices(num_splits, group, head_dim, reduce_chunk, fused_max_splits, num_warps, block_n)
     single, fused = choices.single, choices.fused
     # The kernel takes a pointer either way; it reads this one only when fused.
     counters = split_counters(query.device, num_seqs * num_kv_heads) if fused else seq_lens

@@ -420,7 +420,8 @@ def run(size: str, seed: int, device: str, verbose: bool) -> int:
             AttentionConfig(DecodeConfig(block_n=16, programs_per_sm=1, reduce_chunk=64,
                                          fused_max_splits=0),
                             PrefillConfig(block_m=16, block_n=16), PrefillConfig(block_m=16, block_n=32)),
-            AttentionConfig(DecodeConfig(block_n=16, programs_per_sm=0),
+            # (over an FP8 cache its single-split grids take the short tiles at any batch)
+            AttentionConfig(DecodeConfig(block_n=16, programs_per_sm=0, fp8_single_block_n_from=0),
                             PrefillConfig(block_m=32, block_n=16), PrefillConfig(block_m=32, block_n=32)),
         ]
     else:

@@ -37,8 +37,8 @@ def test_every_decode_choice_a_batch_makes_is_warmed(monkeypatch, num_heads, num
         # what decode_attention computes for such a batch
         partition = decode_partition_size(num_seqs, num_kv_heads, max_seq_len, num_sms, d)
         splits = max(1, triton.cdiv(max_seq_len, partition))
-        return decode_choices(splits, group, head_dim, d.reduce_chunk, d.fused_max_splits,
-                              d.launch_tiles(splits)[0])
+        num_warps, _, block_n = d.launch_tiles(splits, num_seqs * num_kv_heads / num_sms)
+        return decode_choices(splits, group, head_dim, d.reduce_chunk, d.fused_max_splits, num_warps, block_n)
 
     rng = random.Random(0)
     batches = [(rng.randint(1, max_num_seqs), rng.randint(1, max_model_len)) for _ in range(3000)]
@@ -50,6 +50,8 @@ def test_every_decode_choice_a_batch_makes_is_warmed(monkeypatch, num_heads, num
         assert n <= max_num_seqs and length <= max_model_len
         assert choices_of(n, length) == key
     assert any(k.single for k in variants) and any(k.fused for k in variants)
+    if cache_dtype == torch.float8_e4m3fn:  # 512 sequences reach the short tiles' programs an SM
+        assert {k.block_n for k in variants if k.single} == {d.block_n, d.single_block_n}
 
 
 def test_prompt_token_counts_cover_one_multiples_of_16_and_others():

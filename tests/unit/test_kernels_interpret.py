@@ -90,6 +90,32 @@ def test_fp32_prompt_launches_on_a_gpu_take_the_small_tiles_and_others_keep_thei
         assert prompt_tiles_for(DEFAULT_CONFIG, dtype, on_gpu) is DEFAULT_CONFIG, (dtype, on_gpu)
 
 
+def test_decode_grids_over_an_fp8_cache_take_short_tiles_only_with_many_programs_an_sm() -> None:
+    # A split grid (few sequences) keeps 128-token tiles and 4 warps; one that
+    # does not split takes 2 warps, and 64-token tiles from 12 programs
+    # (sequences times KV heads) an SM (DecodeConfig.fp8_single_block_n_from).
+    # bf16 keeps 64 in all.
+    from dataclasses import replace
+
+    import torch
+
+    from tandem.kernels.attention_triton import DEFAULT_CONFIG, decode_grid, decode_tiles
+    from tandem.kernels.kv_cache_dtype import FP8_KV_DTYPE
+
+    fp8 = decode_tiles(DEFAULT_CONFIG.decode, FP8_KV_DTYPE)
+    few = decode_grid(1, 8, 4096, 132, fp8)
+    assert few.num_splits > 1 and (few.block_n, few.num_warps) == (128, 4)
+    for num_seqs, block_n in ((64, 128), (197, 128), (198, 64), (256, 64)):  # 12 an SM: 198 x 8 / 132
+        grid = decode_grid(num_seqs, 8, 704, 132, fp8)
+        assert grid.num_splits == 1 and (grid.block_n, grid.num_warps, grid.num_stages) == (block_n, 2, 2)
+        assert grid.partition_size % grid.block_n == 0
+    bf16 = decode_tiles(DEFAULT_CONFIG.decode, torch.bfloat16)
+    assert decode_grid(256, 8, 704, 132, bf16).block_n == decode_grid(1, 8, 4096, 132, bf16).block_n == 64
+    # a single-split tile that does not divide the split grids' tile is not used
+    odd = replace(fp8, single_block_n=96)
+    assert decode_grid(256, 8, 704, 132, odd).block_n == 128
+
+
 @pytest.mark.timeout(120)
 def test_fused_moe_kernels_match_torch_twin_under_interpreter() -> None:
     # Grouped gate/up and down GEMMs over expert-sorted rows: 2-8 experts,
