@@ -67,7 +67,7 @@ class DecodeConfig:
     # sequences) ran faster with 4 warps. From about 16 programs an SM
     # (Llama-3-8B's 8 KV heads at 256 sequences on 132 SMs), 64-token tiles
     # took 4-15% less time than 128 at contexts of 520-1280; at 4 and 8 an
-    # SM (64 and 128 sequences) 11-14% more (H200, docs/benchmarks.md). 12
+    # SM (64 and 128 sequences) 12-15% more (H200, docs/benchmarks.md). 12
     # lies between the measured sides.
     fp8_block_n: int = 128
     fp8_single_num_warps: int = 2
