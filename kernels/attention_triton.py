@@ -202,15 +202,15 @@ def decode_variants(num_heads: int, num_kv_heads: int, head_dim: int, max_model_
     num_sms = _num_sms(device)
     group = num_heads // num_kv_heads
     found: dict[DecodeChoices, tuple[int, int]] = {}
-    # The batch size acts only through the split count it wants and whether a
-    # grid of one split takes the short tiles: one size for each.
-    wanted: set[tuple[int, bool]] = set()
+    # The batch size acts only through the split count it wants and the tile
+    # a grid of one split would take: one size for each.
+    wanted: set[tuple[int, int]] = set()
     for num_seqs in range(1, max_num_seqs + 1):
         want = triton.cdiv(d.programs_per_sm * num_sms, num_seqs * num_kv_heads)
-        short = num_seqs * num_kv_heads >= d.single_block_n_from * num_sms
-        if (want, short) in wanted:
+        single_tile = d.launch_tiles(1, num_seqs * num_kv_heads / num_sms)[2]
+        if (want, single_tile) in wanted:
             continue
-        wanted.add((want, short))
+        wanted.add((want, single_tile))
         # The split count is constant between multiples of block_n (partitions are
         # multiples of it): one length in each such span, its end.
         for length in range(d.block_n, max_model_len + d.block_n, d.block_n):
