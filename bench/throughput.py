@@ -218,8 +218,8 @@ def run(args: argparse.Namespace) -> int:
     least = _least_time(llm, results[0], prompts, output_lens, roofline.sustained_flops)
     engine = _engine_report(llm)
     print(f"engine: max_num_seqs {engine['max_num_seqs']}, {engine['max_num_batched_tokens']} tokens a step, "
-          f"{engine['kv_blocks']} KV blocks ({engine['kv_tokens']} tokens), {engine['preemptions']} preemptions",
-          file=sys.stderr)
+          f"{engine['kv_blocks']} KV blocks ({engine['kv_tokens']} tokens), {engine['preemptions']} preemptions, "
+          f"admission {engine['admission']} ({engine['admissions_deferred']} deferred)", file=sys.stderr)
     if not args.no_hf:
         print("running the HF transformers baseline ...", file=sys.stderr)
         results.append(run_hf(args, prompts, output_lens, llm))
@@ -271,14 +271,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _engine_report(llm) -> dict:
-    """The settings the engine ran with (defaults decided) and its preemptions:
-    a batch larger than the KV cache holds pays for them in recompute."""
+    """The settings the engine ran with (defaults decided), its preemptions
+    (a batch larger than the KV cache holds pays for them in recompute) and
+    the steps its admission held a request back for KV headroom."""
     engine = llm.engine
     scheduler = engine.config.scheduler
     blocks = engine.kv.pool.num_usable_blocks
+    stats = engine.stats()
     return {"max_num_seqs": scheduler.max_num_seqs, "max_num_batched_tokens": scheduler.max_num_batched_tokens,
             "kv_blocks": blocks, "kv_tokens": blocks * engine.config.cache.block_size,
-            "preemptions": engine.stats().num_preemptions}
+            "preemptions": stats.num_preemptions, "admission": scheduler.admission,
+            "admissions_deferred": stats.num_admissions_deferred}
 
 
 def _roofline(llm, result: ThroughputResult):

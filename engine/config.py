@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from tandem.engine.admission import MIN_SAMPLES, PRIOR_TOKENS, WINDOW
 from tandem.engine.flags import (add_dataclass_flags, flag_field, flag_specs, from_namespace,
                                  internal_field, to_cli_args)
 from tandem.engine.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
@@ -22,6 +23,7 @@ from tandem.engine.spec_decode.config import SpeculativeConfig, SpeculativeConfi
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 SchedulingPolicy = Literal["fifo", "srtf"]
+AdmissionPolicy = Literal["reserve", "greedy"]  # engine/admission.py
 # Token budget of a step by device: a GPU step of 8192 tokens takes tens of
 # ms; on a CPU 2048 tokens already take seconds, and the budget is how long an
 # aborted prompt may keep computing.
@@ -101,6 +103,10 @@ class SchedulerConfig:
     max_num_batched_tokens: Optional[int] = None
     max_num_seqs: Optional[int] = DEFAULT_MAX_NUM_SEQS  # None: decided for the device, as the budget
     policy: SchedulingPolicy = "fifo"
+    # When a waiting request may start (engine/admission.py): "reserve" keeps
+    # blocks for the running requests' expected output, "greedy" admits
+    # whenever the prompt fits and preempts later.
+    admission: AdmissionPolicy = "reserve"
     staging_queue_size: int = 8  # two-level SRTF (thesis 4.5.3)
     # Prefill chunks are at most this long (0: only the token budget limits them).
     long_prefill_token_threshold: int = 0
@@ -299,6 +305,13 @@ class EngineArgs:
         group=_SCHEDULER)
     policy: SchedulingPolicy = flag_field(
         "fifo", "scheduling policy: fifo, or srtf (shortest remaining tokens first)", group=_SCHEDULER)
+    admission: AdmissionPolicy = flag_field(
+        "reserve", "when a waiting request may start: reserve admits one only while the free KV "
+        "blocks also cover the output the running requests are still expected to write (the mean "
+        f"output length of the last {WINDOW} finished requests, at most each request's max_tokens; "
+        f"max_tokens up to {PRIOR_TOKENS} until {MIN_SAMPLES} have finished), so requests are seldom preempted and "
+        "recomputed when the cache is short; greedy admits one whenever its prompt fits, as vLLM "
+        "does, and preempts the newest running request when the cache runs out", group=_SCHEDULER)
     staging_queue_size: int = flag_field(
         8, "with --policy srtf: requests moved from the waiting queue, in arrival order, into the "
         "small queue SRTF picks from (refilled once empty)", group=_SCHEDULER)
@@ -445,6 +458,7 @@ class EngineArgs:
                               swap_space_gib=self.swap_space, cache_dtype=self.kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs, policy=self.policy,
+                                      admission=self.admission,
                                       staging_queue_size=self.staging_queue_size,
                                       long_prefill_token_threshold=self.long_prefill_token_threshold),
             device=self.device,

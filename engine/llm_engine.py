@@ -78,6 +78,7 @@ class EngineStats:
     prompt_tokens_local_hit: int
     prompt_tokens_external: int
     generation_tokens: int
+    num_admissions_deferred: int = 0  # admission.py: a waiting request held back for KV headroom
     kv_save_bytes: int = 0
     kv_load_bytes: int = 0
     kv_save_blocks: int = 0
@@ -594,7 +595,8 @@ class LLMEngine:
             kv_cache_usage=self.kv.usage, num_free_blocks=self.kv.pool.num_free_blocks,
             num_total_blocks=self.kv.pool.num_usable_blocks,
             prefix_cache_queries=ss.prefix_cache_queries, prefix_cache_hits=ss.prefix_cache_hits,
-            num_preemptions=ss.num_preemptions, prompt_tokens_computed=ss.prompt_tokens_computed,
+            num_preemptions=ss.num_preemptions, num_admissions_deferred=ss.num_admissions_deferred,
+            prompt_tokens_computed=ss.prompt_tokens_computed,
             prompt_tokens_local_hit=ss.prompt_tokens_local_hit,
             prompt_tokens_external=ss.prompt_tokens_external, generation_tokens=ss.generation_tokens,
             kv_save_bytes=cs.save_bytes if cs else 0, kv_load_bytes=cs.load_bytes if cs else 0,

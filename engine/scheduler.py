@@ -28,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
+from tandem.engine.admission import OutputLengthEstimate
 from tandem.engine.config import SchedulerConfig
 from tandem.engine.kv_cache_manager import NO_NEW_BLOCKS, KVCacheManager
 from tandem.engine.kv_holds import KVHolds
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NO_BLOCK_IDS: list[int] = []  # an entry that got no new block (shared, never mutated)
+# Finished by the stop rules or max_tokens: their output lengths teach admission.py.
+_FINISHED_ON_ITS_OWN = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
 
 
 @dataclass
@@ -49,6 +52,9 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the local cache
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    # Admission "reserve": times the head waiting request stayed waiting because
+    # the free blocks did not cover the expected output of those running.
+    num_admissions_deferred: int = 0
     # Where prompt tokens came from (requests never preempted): computed here,
     # local prefix-cache hits, the KV connector.
     prompt_tokens_computed: int = 0
@@ -70,6 +76,8 @@ class Scheduler:
                  kv_hold_timeout_s: float = 30.0, swapper: Optional["KVSwapper"] = None) -> None:
         if config.policy not in ("fifo", "srtf"):
             raise ValueError(f"policy must be 'fifo' or 'srtf', got {config.policy!r}")
+        if config.admission not in ("reserve", "greedy"):
+            raise ValueError(f"admission must be 'reserve' or 'greedy', got {config.admission!r}")
         self.config = config
         self.kv = kv
         self.connector = connector
@@ -81,6 +89,11 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.holds = KVHolds(kv, connector, kv_hold_timeout_s)
         self.stats = SchedulerStats()
+        # admission "reserve" (admission.py): the expected output lengths, and
+        # the blocks the running requests are expected to take yet, counted
+        # once a plan at its first admission (None: not yet this plan).
+        self.output_estimate = OutputLengthEstimate() if config.admission == "reserve" else None
+        self._reserved_blocks: Optional[int] = None
         self._freed: list[str] = []  # requests whose blocks went back since the last plan
         self._sampling: list[Request] = []  # the last plan's sampled entries' requests, in order
         # Speculative decoding: the last plan's draft tokens by entry index, and
@@ -134,6 +147,8 @@ class Scheduler:
         runner dropped at the next plan."""
         request.status = status
         request.spec_token_ids = NO_DRAFTS
+        if self.output_estimate is not None and status in _FINISHED_ON_ITS_OWN:
+            self.output_estimate.observe(request.num_output_tokens)
         if request in self.running:
             self.running.remove(request)
         elif request in self.staging:
@@ -169,6 +184,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self.holds.expire()
         out = SchedulerOutput()
+        self._reserved_blocks = None
         self._sampling = []
         self._entry_drafts = {}
         budget = self.config.max_num_batched_tokens
@@ -317,9 +333,21 @@ class Scheduler:
         num_new = self._chunk(request.num_tokens - num_hit_tokens - num_host - num_external, budget)
         if num_new <= 0:
             return 0
+        estimate = self.output_estimate
+        if estimate is not None and self.running:
+            target = estimate.target_blocks(request, self.kv.block_size, self.max_model_len)
+            reserved = self._reserved_blocks
+            if reserved is None:
+                reserved = estimate.reserved_blocks(self.running, self.kv.block_size, self.max_model_len)
+            if target - len(hits) + reserved > self.kv.pool.num_free_blocks:
+                self._reserved_blocks = reserved
+                self.stats.num_admissions_deferred += 1
+                return 0
         added = self.kv.allocate_slots(request, num_new, hits, num_host + num_external)
         if added is None:
             return 0
+        if estimate is not None and self.running:
+            self._reserved_blocks = reserved + max(0, target - len(request.block_ids))
         if host is not None:
             self.swapper.restore(request, host)
         num_hit_tokens += num_host  # local either way: the device cache or the host tier

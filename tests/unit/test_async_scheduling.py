@@ -138,7 +138,7 @@ def test_a_request_that_preempts_itself_in_a_step_that_runs_nothing_comes_back_o
               SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)]
     answers = {}
     for mode in ("off", "on"):
-        llm = LLM(path, async_scheduling=mode, num_blocks=3)
+        llm = LLM(path, async_scheduling=mode, num_blocks=3, admission="greedy")  # both start at once
         outputs = llm.generate(prompts, params)
         answers[mode] = [o.outputs[0].token_ids for o in outputs]
         if mode == "on":

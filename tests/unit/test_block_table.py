@@ -18,7 +18,7 @@ _ids = itertools.count()
 def test_rows_equal_each_requests_block_ids_through_preemption_and_churn():
     rng = random.Random(0)
     kv = KVCacheManager(num_blocks=24, block_size=16)  # small: preemption happens
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=96, max_num_seqs=8), kv)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=96, max_num_seqs=8, admission="greedy"), kv)
     table = BlockTable(num_rows=2, width=2)  # starts small: growing is exercised too
     shared = [rng.randrange(2, 500) for _ in range(48)]  # prefix-cache hits on re-admission
     num_preempted = num_finished = 0

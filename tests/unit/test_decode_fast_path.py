@@ -48,7 +48,8 @@ def feed(sched: Scheduler, token: int) -> int:
 @pytest.mark.parametrize("budget", [64, 7])
 def test_the_decode_shortcut_plans_what_the_general_path_plans(policy, enable_caching, budget):
     rng = random.Random(1)
-    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=12, policy=policy)
+    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=12, policy=policy,
+                             admission="greedy")  # greedy: preemption happens
     twins = [Scheduler(config, cls(num_blocks=40, block_size=8, enable_caching=enable_caching))
              for cls in (CountingShortcuts, GeneralPathOnly)]
     shared = [rng.randrange(2, 500) for _ in range(40)]

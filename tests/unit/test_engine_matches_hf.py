@@ -80,7 +80,9 @@ SMOL_BLOCK_GIB = 30 * 2 * 16 * 3 * 64 * 4 / 2**30
 @pytest.mark.parametrize("swap_space", [0.0, 200 * SMOL_BLOCK_GIB], ids=["recompute", "swap"])
 def test_smollm2_preemption_matches_hf(smol, swap_space):
     # 40 usable blocks: the 600-token prompt alone needs 39, all together ~90.
-    llm = LLM("smollm2", num_blocks=41, swap_space=swap_space)
+    # Greedy admission: reserving for the outputs (the default) would mostly
+    # keep requests waiting instead of preempting them.
+    llm = LLM("smollm2", num_blocks=41, swap_space=swap_space, admission="greedy")
     computed = tokens_computed_per_request(llm)
     outputs = run_engine(llm, smol["prompts"])
     stats = llm.engine.stats()
@@ -104,7 +106,7 @@ def test_smollm2_asynchronous_scheduling_matches_hf_through_chunks_and_preemptio
     (forced on here: on the CPU it only changes the order of the work), with
     small prefill chunks and too few blocks: preempted requests too."""
     llm = LLM("smollm2", async_scheduling="on", num_blocks=41, max_num_batched_tokens=48,
-              long_prefill_token_threshold=32)
+              long_prefill_token_threshold=32, admission="greedy")
     assert llm.engine.async_scheduling
     outputs = run_engine(llm, smol["prompts"])
     assert llm.engine.stats().num_preemptions > 0, "the test must force preemption"
@@ -113,7 +115,7 @@ def test_smollm2_asynchronous_scheduling_matches_hf_through_chunks_and_preemptio
 
 
 def test_smollm2_preemption_with_a_tier_too_small_recomputes_and_matches_hf(smol):
-    llm = LLM("smollm2", num_blocks=41, swap_space=1.5 * SMOL_BLOCK_GIB)  # one slot
+    llm = LLM("smollm2", num_blocks=41, swap_space=1.5 * SMOL_BLOCK_GIB, admission="greedy")  # one slot
     assert llm.engine.swapper.tier.num_slots == 1
     outputs = run_engine(llm, smol["prompts"])
     stats = llm.engine.stats()
@@ -171,7 +173,7 @@ def lookups_before_admission(llm: LLM, monkeypatch) -> None:
 
 
 def test_smollm2_preemption_swaps_to_the_host_tier_beside_the_kv_store(smol, kv_store, monkeypatch):
-    llm = store_backed(kv_store, num_blocks=41, swap_space=200 * SMOL_BLOCK_GIB)
+    llm = store_backed(kv_store, num_blocks=41, swap_space=200 * SMOL_BLOCK_GIB, admission="greedy")
     lookups_before_admission(llm, monkeypatch)
     outputs = run_engine(llm, smol["prompts"])
     check_against_oracle(outputs, smol["refs"], exact=True)
@@ -245,8 +247,8 @@ def tiny(request, tmp_path_factory):
 @pytest.mark.parametrize("options", [
     {},
     {"max_num_batched_tokens": 40, "long_prefill_token_threshold": 24},
-    {"num_blocks": 41},
-    {"num_blocks": 41, "swap_space": 0.01},
+    {"num_blocks": 41, "admission": "greedy"},  # greedy: preemption happens
+    {"num_blocks": 41, "swap_space": 0.01, "admission": "greedy"},
     {"policy": "srtf"},
 ], ids=["plain", "chunked", "preempt", "preempt-swap", "srtf"])
 def test_tiny_models_match_hf(tiny, options):

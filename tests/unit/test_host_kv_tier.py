@@ -87,7 +87,8 @@ def test_swap_out_reads_a_block_before_a_swap_in_of_the_same_step_overwrites_it(
 def make(num_blocks: int, num_slots: int, budget: int = 256):
     kv = KVCacheManager(num_blocks, 16, True)
     swapper = KVSwapper(HostKVTier(num_slots), kv)
-    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget), kv, swapper=swapper)
+    # Greedy admission: these tests need requests preempted (swapped out).
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, admission="greedy"), kv, swapper=swapper)
 
 
 def request(n_prompt: int, max_tokens: int) -> Request:

@@ -12,9 +12,10 @@ from tandem.engine.scheduler import Scheduler
 _ids = itertools.count()
 
 
-def make(num_blocks=64, budget=64, policy="fifo", caching=True, max_num_seqs=256):
+def make(num_blocks=64, budget=64, policy="fifo", caching=True, max_num_seqs=256, admission="reserve"):
     kv = KVCacheManager(num_blocks, 16, caching)
-    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, policy=policy, max_num_seqs=max_num_seqs), kv)
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, policy=policy, max_num_seqs=max_num_seqs,
+                                     admission=admission), kv)
 
 
 def request(n_prompt, max_tokens=4, tokens=None):
@@ -84,7 +85,9 @@ def test_no_block_leaks_after_finish_and_abort():
 
 
 def test_preemption_by_recompute_resets_progress_and_finishes_everything():
-    sched = make(num_blocks=12, budget=256)  # 11 usable blocks
+    # 11 usable blocks; greedy admission: reserving for the outputs would
+    # start the third request only once another finished.
+    sched = make(num_blocks=12, budget=256, admission="greedy")
     reqs = [request(40, max_tokens=30) for _ in range(3)]  # 3 blocks each to start, 5 at the end
     for r in reqs:
         sched.add_request(r)

@@ -85,8 +85,9 @@ def assert_all_blocks_back(llm: LLM) -> None:
 
 @pytest.fixture(scope="module")
 def ngram():
-    # 17 usable blocks: the workload's first three requests take 16 to start and need more as they decode.
-    return LLM(speculative_config=NGRAM, num_blocks=18)
+    # 17 usable blocks: the workload's first three requests take 16 to start and need more as they
+    # decode; greedy admission starts them all (reserving for their outputs would not).
+    return LLM(speculative_config=NGRAM, num_blocks=18, admission="greedy")
 
 
 def test_prompt_lookup_gives_the_same_output_through_preemption(workload, ngram):
@@ -105,7 +106,7 @@ def test_prompt_lookup_under_asynchronous_scheduling_defers_plain_steps_and_answ
     """Steps without drafts leave their tokens in flight; a lookup one token
     behind makes the engine wait for them and propose, so drafts still come."""
     prompts, params, refs = workload
-    llm = LLM(speculative_config=NGRAM, num_blocks=18, async_scheduling="on")
+    llm = LLM(speculative_config=NGRAM, num_blocks=18, async_scheduling="on", admission="greedy")
     engine = llm.engine
     assert engine.async_scheduling
     tokens: dict[str, list[int]] = {}

@@ -172,7 +172,9 @@ def test_draft_tokens_count_against_the_token_budget():
 
 def test_draft_tokens_never_preempt_anyone():
     # Three blocks: each request holds one, with room for its next token; drafts would need more.
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), KVCacheManager(num_blocks=4, block_size=BS))
+    # Greedy admission starts all three (reserving for their outputs would start one).
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, admission="greedy"),
+                      KVCacheManager(num_blocks=4, block_size=BS))
     reqs = [Request(f"r{i}", [5 + i, 6], SamplingParams(max_tokens=50)) for i in range(3)]
     for r in reqs:
         sched.add_request(r)

@@ -168,7 +168,8 @@ def test_tp2_preemption_swaps_each_ranks_heads_to_the_host_tier_and_matches_hf(t
     refs = [hf_greedy(hf, p, MAX_NEW, eos_token_id=None) for p in prompts]
     # A rank's block: 2 layers x K/V x 16 tokens x 2 KV heads x head_dim 8 x 4 bytes.
     block_bytes = 2 * 2 * 16 * 2 * 8 * 4
-    llm = LLM(path, tensor_parallel_size=2, num_blocks=14, swap_space=100 * block_bytes / 2**30)
+    llm = LLM(path, tensor_parallel_size=2, num_blocks=14, swap_space=100 * block_bytes / 2**30,
+              admission="greedy")  # all six start: preemption happens
     try:
         assert llm.engine.runner.num_host_slots == 100
         check_against_oracle(run_greedy(llm, prompts, MAX_NEW), refs, exact=False)

@@ -141,8 +141,9 @@ def engine(role, title, signal_rows):
             panel("Prefix cache hit rate", [(f"sum(rate(tandem:prefix_cache_hits_total{sel(role)}[{R}])) / sum(rate(tandem:prefix_cache_queries_total{sel(role)}[{R}]))", "hit rate")], "percentunit",
                   "Share of looked-up prompt tokens found in the local prefix cache."),
             panel("Queue time", q("tandem:request_queue_time_seconds", role), "s"),
-            panel("Preemptions per second", [(f"sum(rate(tandem:num_preemptions_total{sel(role)}[{R}]))", "preemptions")], "short",
-                  "Requests evicted for lack of KV blocks; steady preemption means too few pods."),
+            panel("Preemptions per second", [(f"sum(rate(tandem:num_preemptions_total{sel(role)}[{R}]))", "preemptions"),
+                                              (f"sum(rate(tandem:kv_admissions_deferred_total{sel(role)}[{R}]))", "admissions deferred")], "short",
+                  "Requests evicted for lack of KV blocks, and steps in which a waiting request stayed waiting because the free blocks did not cover the running requests' expected output (--admission reserve); steady preemption or deferral means too few pods."),
             panel("Finished requests per second", [(f"sum by (finished_reason) (rate(tandem:request_success_total{sel(role)}[{R}]))", "{{finished_reason}}")], "reqps"),
         ]),
         ("KV transfer", [
