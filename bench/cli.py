@@ -5,14 +5,14 @@ with `parser.set_defaults(handler=fn)`, fn(args) -> exit code.
 """
 from __future__ import annotations
 
-from tandem.bench import kernels, kv, latency, mixed_steps, serve, spec_decode, sweep, throughput
+from tandem.bench import admission_replay, kernels, kv, latency, mixed_steps, serve, spec_decode, sweep, throughput
 
-SUBCOMMANDS = (serve, sweep, throughput, latency, mixed_steps, spec_decode, kernels, kv)
+SUBCOMMANDS = (serve, sweep, throughput, latency, mixed_steps, spec_decode, kernels, kv, admission_replay)
 
 
 def register(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks: serve, sweep, throughput, latency, mixed-steps, "
-                                                "spec-decode, kernels, kv",
+                                                "spec-decode, kernels, kv, admission-replay",
                                   description="Measure tandem (or any OpenAI-compatible server) and its parts.")
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
     for module in SUBCOMMANDS:

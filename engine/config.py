@@ -306,12 +306,13 @@ class EngineArgs:
     policy: SchedulingPolicy = flag_field(
         "fifo", "scheduling policy: fifo, or srtf (shortest remaining tokens first)", group=_SCHEDULER)
     admission: AdmissionPolicy = flag_field(
-        "reserve", "when a waiting request may start: reserve admits one only while the free KV "
-        "blocks also cover the output the running requests are still expected to write (the mean "
-        f"output length of the last {WINDOW} finished requests, at most each request's max_tokens; "
-        f"max_tokens up to {PRIOR_TOKENS} until {MIN_SAMPLES} have finished), so requests are seldom preempted and "
-        "recomputed when the cache is short; greedy admits one whenever its prompt fits, as vLLM "
-        "does, and preempts the newest running request when the cache runs out", group=_SCHEDULER)
+        "reserve", "when a waiting request may start: reserve admits one only while the KV blocks "
+        "the running requests and it are projected to hold, step by step until each is expected to "
+        f"finish, stay within the cache (expected output: the mean of the last {WINDOW} finished "
+        f"requests', at most each request's max_tokens; max_tokens up to {PRIOR_TOKENS} until "
+        f"{MIN_SAMPLES} have finished), so requests wait rather than being preempted and recomputed "
+        "when the cache is short; greedy admits one whenever its prompt fits, as vLLM does, and "
+        "preempts the newest running request when the cache runs out", group=_SCHEDULER)
     staging_queue_size: int = flag_field(
         8, "with --policy srtf: requests moved from the waiting queue, in arrival order, into the "
         "small queue SRTF picks from (refilled once empty)", group=_SCHEDULER)

@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
-from tandem.engine.admission import OutputLengthEstimate
+from tandem.engine.admission import KVProjection, OutputLengthEstimate, steps_left
 from tandem.engine.config import SchedulerConfig
 from tandem.engine.kv_cache_manager import NO_NEW_BLOCKS, KVCacheManager
 from tandem.engine.kv_holds import KVHolds
@@ -90,10 +90,10 @@ class Scheduler:
         self.holds = KVHolds(kv, connector, kv_hold_timeout_s)
         self.stats = SchedulerStats()
         # admission "reserve" (admission.py): the expected output lengths, and
-        # the blocks the running requests are expected to take yet, counted
-        # once a plan at its first admission (None: not yet this plan).
+        # the running requests' projected blocks, made once a plan at its
+        # first admission (None: not yet this plan).
         self.output_estimate = OutputLengthEstimate() if config.admission == "reserve" else None
-        self._reserved_blocks: Optional[int] = None
+        self._projection: Optional[KVProjection] = None
         self._freed: list[str] = []  # requests whose blocks went back since the last plan
         self._sampling: list[Request] = []  # the last plan's sampled entries' requests, in order
         # Speculative decoding: the last plan's draft tokens by entry index, and
@@ -184,7 +184,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self.holds.expire()
         out = SchedulerOutput()
-        self._reserved_blocks = None
+        self._projection = None
         self._sampling = []
         self._entry_drafts = {}
         budget = self.config.max_num_batched_tokens
@@ -333,21 +333,12 @@ class Scheduler:
         num_new = self._chunk(request.num_tokens - num_hit_tokens - num_host - num_external, budget)
         if num_new <= 0:
             return 0
-        estimate = self.output_estimate
-        if estimate is not None and self.running:
-            target = estimate.target_blocks(request, self.kv.block_size, self.max_model_len)
-            reserved = self._reserved_blocks
-            if reserved is None:
-                reserved = estimate.reserved_blocks(self.running, self.kv.block_size, self.max_model_len)
-            if target - len(hits) + reserved > self.kv.pool.num_free_blocks:
-                self._reserved_blocks = reserved
-                self.stats.num_admissions_deferred += 1
-                return 0
+        if self.output_estimate is not None and self.running and not self._fits_projection(request, hits):
+            self.stats.num_admissions_deferred += 1
+            return 0
         added = self.kv.allocate_slots(request, num_new, hits, num_host + num_external)
         if added is None:
             return 0
-        if estimate is not None and self.running:
-            self._reserved_blocks = reserved + max(0, target - len(request.block_ids))
         if host is not None:
             self.swapper.restore(request, host)
         num_hit_tokens += num_host  # local either way: the device cache or the host tier
@@ -366,6 +357,19 @@ class Scheduler:
             self.connector.update_state_after_alloc(request, request.block_ids, num_hit_tokens, num_external)
         self._emit(request, num_new, added, out)
         return num_new
+
+    def _fits_projection(self, request: Request, hits: list) -> bool:
+        """Admission "reserve": whether the running requests' projected blocks
+        (admission.py), with this request's, stay within the cache; if so the
+        request joins the projection. Shared prefix blocks it hits take
+        nothing more."""
+        bs = self.kv.block_size
+        projection = self._projection
+        if projection is None:
+            capacity = self.kv.pool.num_free_blocks + sum(len(r.block_ids) for r in self.running)
+            projection = self._projection = KVProjection(self.running, self.output_estimate, bs, capacity)
+        finish = steps_left(request, self.output_estimate.expected_output(request))
+        return projection.admit(request.num_tokens - len(hits) * bs, finish)
 
     def _schedule_waiting_fifo(self, budget: int, out: SchedulerOutput) -> None:
         # Requests whose KV is still being fetched step aside (in order) for the

@@ -49,16 +49,14 @@ def test_the_estimate_is_the_prior_until_enough_requests_finish_then_their_recen
     est = OutputLengthEstimate(window=3, min_samples=3)
     assert est.expected_tokens() == PRIOR_TOKENS
     r = request(40, max_tokens=100)
-    assert est.target_blocks(r, BS, 10_000) == -(-(40 + 100) // BS)  # the client's max_tokens is below the prior
+    assert est.expected_output(r) == 100  # the client's max_tokens is below the prior
     for n in (10, 20):
         est.observe(n)
     assert est.expected_tokens() == PRIOR_TOKENS  # two finished: too few (a warm-up's)
     est.observe(31)
     assert est.expected_tokens() == 21  # 61 / 3, rounded up
     est.observe(1)  # the window keeps the last three: 20, 31, 1
-    assert est.expected_tokens() == 18
-    assert est.target_blocks(r, BS, 10_000) == -(-(40 + 18) // BS)
-    assert est.target_blocks(r, BS, 48) == 3  # never past the model's context
+    assert est.expected_tokens() == 18 and est.expected_output(r) == 18
 
 
 def test_reserving_for_known_outputs_replaces_preemption_with_waiting():
@@ -74,10 +72,13 @@ def test_reserving_for_known_outputs_replaces_preemption_with_waiting():
 
     reserve = make(41, "reserve")
     reserve_requests = workload()
-    running = run(reserve, reserve_requests)
+    for r in reserve_requests:
+        reserve.add_request(r)
+    assert len(reserve.schedule().request_ids) == 5  # 5 x 7 blocks fit in 40; the sixth waits
+    reserve.update([7] * 5, [None] * 5, {})
+    run(reserve, [])
     assert reserve.stats.num_preemptions == 0
     assert reserve.stats.num_admissions_deferred > 0
-    assert max(running) == 5  # 5 x 7 blocks fit in 40; the sixth waits for one to finish
     for r in greedy_requests + reserve_requests:
         assert r.status is RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 64
     for sched in (greedy, reserve):
@@ -101,6 +102,33 @@ def test_admission_widens_once_finished_answers_turn_out_short():
     for r in second_wave:
         sched.add_request(r)
     assert len(sched.schedule().request_ids) == 40
+    assert sched.stats.num_preemptions == 0
+
+
+def test_blocks_that_requests_finishing_soon_give_back_serve_a_newcomer():
+    # 40 usable blocks. One request near its end holds 19 (302 tokens of 304),
+    # one early in its answer holds 5 and will hold 12. A newcomer needs 4 now
+    # and 12 at its end: with everyone's final blocks reserved at once (19 +
+    # 12 + 12 > 40) it would wait, but the first finishes within 2 steps, long
+    # before the others have grown: the projection peaks at about 29.
+    sched = make(41, "reserve", budget=512)
+    old = request(288, max_tokens=16)
+    young = request(64, max_tokens=128)
+    for r in (old, young):
+        sched.add_request(r)
+    sched.schedule()
+    sched.update([7, 7], [None] * 2, {})
+    for _ in range(13):  # old at 302 tokens, 2 steps left
+        sched.schedule()
+        sched.update([7, 7], [None] * 2, {})
+    assert len(old.block_ids) == 19 and old.num_output_tokens == 14
+    newcomer = request(64, max_tokens=128)
+    sched.add_request(newcomer)
+    plan = sched.schedule()
+    assert newcomer.request_id in plan.request_ids
+    n = len(sched.sampling_requests)
+    sched.update([7] * n, [None] * n, {})
+    run(sched, [])
     assert sched.stats.num_preemptions == 0
 
 
