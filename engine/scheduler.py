@@ -52,8 +52,8 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the local cache
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
-    # Admission "reserve": times the head waiting request stayed waiting because
-    # the free blocks did not cover the expected output of those running.
+    # Admission "reserve": times a waiting request stayed waiting because the
+    # blocks projected for it and those running would not fit (admission.py).
     num_admissions_deferred: int = 0
     # Where prompt tokens came from (requests never preempted): computed here,
     # local prefix-cache hits, the KV connector.

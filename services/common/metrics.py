@@ -85,8 +85,8 @@ NUM_PREEMPTIONS = Counter(
     "tandem:num_preemptions", "Requests preempted for lack of KV blocks.", ENGINE)
 KV_ADMISSIONS_DEFERRED = Counter(
     "tandem:kv_admissions_deferred",
-    "Steps in which the next waiting request stayed waiting because the free KV blocks did not "
-    "cover the output the running requests are expected to write (--admission reserve).", ENGINE)
+    "Times a waiting request stayed waiting because the KV blocks it and the running requests "
+    "are projected to hold until they finish would not fit the cache (--admission reserve).", ENGINE)
 KV_SWAPPED_OUT_BLOCKS = Counter(
     "tandem:kv_swapped_out_blocks",
     "KV blocks of preempted requests copied to the host tier (--swap-space) instead of dropped.", ENGINE)

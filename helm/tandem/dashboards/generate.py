@@ -143,7 +143,7 @@ def engine(role, title, signal_rows):
             panel("Queue time", q("tandem:request_queue_time_seconds", role), "s"),
             panel("Preemptions per second", [(f"sum(rate(tandem:num_preemptions_total{sel(role)}[{R}]))", "preemptions"),
                                               (f"sum(rate(tandem:kv_admissions_deferred_total{sel(role)}[{R}]))", "admissions deferred")], "short",
-                  "Requests evicted for lack of KV blocks, and steps in which a waiting request stayed waiting because the free blocks did not cover the running requests' expected output (--admission reserve); steady preemption or deferral means too few pods."),
+                  "Requests evicted for lack of KV blocks, and times a waiting request stayed waiting because the blocks projected for it and the running requests would not fit (--admission reserve); steady preemption or deferral means too few pods."),
             panel("Finished requests per second", [(f"sum by (finished_reason) (rate(tandem:request_success_total{sel(role)}[{R}]))", "{{finished_reason}}")], "reqps"),
         ]),
         ("KV transfer", [
