@@ -101,7 +101,10 @@ class KVProjection:
         self.capacity = capacity
         expected = estimate.expected_tokens()
         finish, tokens = [], []
-        for request in running:  # steps_left, inline: every running request, every plan
+        # expected_output and steps_left inline: this loop runs over every running
+        # request each plan that admits. On the dev CPU at 1,024 running the whole
+        # projection took 0.27 ms, the two calls a request alone 0.29 ms.
+        for request in running:
             max_tokens = request.params.max_tokens
             out = expected if max_tokens is None or max_tokens > expected else max_tokens
             left = out - request.num_output_tokens
@@ -112,9 +115,7 @@ class KVProjection:
         self.tokens = np.asarray(tokens, dtype=np.float64)[order]
 
     def peak(self, finish: np.ndarray, tokens: np.ndarray, upto: int) -> float:
-        """The most blocks held at the finishing steps finish[:upto]."""
-        if upto == 0:
-            return 0.0
+        """The most blocks held at the finishing steps finish[:upto] (upto >= 1)."""
         alive_tokens = np.cumsum(tokens[::-1])[::-1][:upto]  # tokens now of those still running at each
         alive = np.arange(len(finish), len(finish) - upto, -1, dtype=np.float64)
         return float(((alive_tokens + alive * finish[:upto]) / self.block_size + alive).max())
