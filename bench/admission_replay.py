@@ -9,7 +9,8 @@ The workload is `tandem bench throughput`'s (the same lengths for the same
 token, as tests/unit/test_scheduler.py drives the scheduler. It prints, per
 policy, the steps (decode-only, and those with prompt chunks), the tokens
 computed and how many of them were computed again after a preemption, the
-mean batch of the decode-only steps, and the preemptions and deferrals. No
+mean batch of the decode-only steps, and the preemptions and deferrals;
+reserve once for each --admission-overcommit given (default the engine's). No
 time: how long each would take depends on the GPU (docs/benchmarks.md times
 the engine); this says what work each policy asks of it, on any machine.
 """
@@ -21,6 +22,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from tandem.engine.admission import DEFAULT_OVERCOMMIT
 from tandem.engine.config import AdmissionPolicy, SchedulerConfig
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.request import Request, SamplingParams
@@ -34,6 +36,7 @@ STAND_IN_TOKEN = 5
 @dataclass
 class ReplayResult:
     admission: str
+    overcommit: Optional[float]  # reserve's; None for greedy
     steps: int
     decode_steps: int  # steps without a prompt chunk
     tokens_computed: int
@@ -45,10 +48,11 @@ class ReplayResult:
 
 
 def replay(prompt_lens: list[int], output_lens: list[int], kv_tokens: int, admission: AdmissionPolicy,
-           max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int = 8192) -> ReplayResult:
+           max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int = 8192,
+           overcommit: float = DEFAULT_OVERCOMMIT) -> ReplayResult:
     num_blocks = kv_tokens // BLOCK_SIZE + 1  # block 0 is reserved
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                      admission=admission),
+                                      admission=admission, admission_overcommit=overcommit),
                       KVCacheManager(num_blocks, BLOCK_SIZE), max_model_len=max_model_len)
     for i, (n_in, n_out) in enumerate(zip(prompt_lens, output_lens)):
         # Distinct token ids per request: no prompt shares a block with another.
@@ -69,7 +73,7 @@ def replay(prompt_lens: list[int], output_lens: list[int], kv_tokens: int, admis
         if steps > 1_000_000:
             raise RuntimeError("the replay does not finish: the cache is too small for a request")
     once = sum(prompt_lens) + sum(n - 1 for n in output_lens)  # the last token is sampled, never computed
-    return ReplayResult(admission, steps, decode_steps, computed, computed - once, decode_tokens,
+    return ReplayResult(admission, overcommit if admission == "reserve" else None, steps, decode_steps, computed, computed - once, decode_tokens,
                         decode_tokens / decode_steps if decode_steps else 0.0,
                         sched.stats.num_preemptions, sched.stats.num_admissions_deferred)
 
@@ -87,6 +91,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--admission", action="append", choices=("reserve", "greedy"), default=None,
                    help="policies to replay (repeat; default both)")
+    p.add_argument("--admission-overcommit", action="append", type=float, default=None, metavar="SHARE",
+                   help="reserve's overcommit, as the engine's flag (repeat to replay reserve with each; "
+                        f"default {DEFAULT_OVERCOMMIT})")
     p.add_argument("--output-json", default=None)
 
 
@@ -108,12 +115,16 @@ def run(args: argparse.Namespace) -> int:
     print(f"{len(prompts)} prompts, {sum(prompt_lens)} prompt tokens, {sum(output_lens)} output tokens; "
           f"KV cache {args.kv_tokens} tokens, max_num_seqs {args.max_num_seqs}, "
           f"{args.max_num_batched_tokens} tokens a step", file=sys.stderr)
-    results = [replay(prompt_lens, output_lens, args.kv_tokens, a, args.max_num_seqs, args.max_num_batched_tokens)
-               for a in (args.admission or ["reserve", "greedy"])]
-    print(f"{'admission':<10} {'steps':>6} {'decode':>7} {'computed':>10} {'recomputed':>11} "
+    overcommits = args.admission_overcommit or [DEFAULT_OVERCOMMIT]
+    results = [replay(prompt_lens, output_lens, args.kv_tokens, a, args.max_num_seqs, args.max_num_batched_tokens,
+                      overcommit=oc)
+               for a in (args.admission or ["reserve", "greedy"])
+               for oc in (overcommits if a == "reserve" else [0.0])]
+    print(f"{'admission':<14} {'steps':>6} {'decode':>7} {'computed':>10} {'recomputed':>11} "
           f"{'decode batch':>13} {'preemptions':>12} {'deferred':>9}")
     for r in results:
-        print(f"{r.admission:<10} {r.steps:>6} {r.decode_steps:>7} {r.tokens_computed:>10} "
+        label = r.admission if r.overcommit is None else f"{r.admission} {r.overcommit:g}"
+        print(f"{label:<14} {r.steps:>6} {r.decode_steps:>7} {r.tokens_computed:>10} "
               f"{r.tokens_recomputed:>11} {r.mean_decode_batch:>13.1f} {r.preemptions:>12} "
               f"{r.admissions_deferred:>9}")
     if args.output_json:

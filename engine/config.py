@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from tandem.engine.admission import MIN_SAMPLES, PRIOR_TOKENS, WINDOW
+from tandem.engine.admission import DEFAULT_OVERCOMMIT, MIN_SAMPLES, PRIOR_TOKENS, WINDOW
 from tandem.engine.flags import (add_dataclass_flags, flag_field, flag_specs, from_namespace,
                                  internal_field, to_cli_args)
 from tandem.engine.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
@@ -107,6 +107,9 @@ class SchedulerConfig:
     # blocks for the running requests' expected output, "greedy" admits
     # whenever the prompt fits and preempts later.
     admission: AdmissionPolicy = "reserve"
+    # Under "reserve", how far the projection may exceed the cache, as a share
+    # of it (admission.py, DEFAULT_OVERCOMMIT).
+    admission_overcommit: float = DEFAULT_OVERCOMMIT
     staging_queue_size: int = 8  # two-level SRTF (thesis 4.5.3)
     # Prefill chunks are at most this long (0: only the token budget limits them).
     long_prefill_token_threshold: int = 0
@@ -313,6 +316,11 @@ class EngineArgs:
         f"{MIN_SAMPLES} have finished), so requests wait rather than being preempted and recomputed "
         "when the cache is short; greedy admits one whenever its prompt fits, as vLLM does, and "
         "preempts the newest running request when the cache runs out", group=_SCHEDULER)
+    admission_overcommit: float = flag_field(
+        DEFAULT_OVERCOMMIT, "with --admission reserve: how far, as a share of the cache, the projected "
+        "blocks may exceed it (the estimate is a mean, and a small overshoot costs a few preemptions "
+        "where waiting can leave the last requests of a burst running in small batches); 0: never",
+        group=_SCHEDULER)
     staging_queue_size: int = flag_field(
         8, "with --policy srtf: requests moved from the waiting queue, in arrival order, into the "
         "small queue SRTF picks from (refilled once empty)", group=_SCHEDULER)
@@ -460,6 +468,7 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs, policy=self.policy,
                                       admission=self.admission,
+                                      admission_overcommit=self.admission_overcommit,
                                       staging_queue_size=self.staging_queue_size,
                                       long_prefill_token_threshold=self.long_prefill_token_threshold),
             device=self.device,
@@ -504,6 +513,9 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"{specs[name].flag}: must be above 0, got {value}")
+        if self.admission_overcommit < 0:
+            raise ConfigError("--admission-overcommit: a share of the cache, 0 or more; got "
+                              f"{self.admission_overcommit}")
         if self.long_prefill_token_threshold < 0:
             raise ConfigError("--long-prefill-token-threshold: must be 0 (no limit) or more, got "
                               f"{self.long_prefill_token_threshold}")

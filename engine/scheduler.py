@@ -78,6 +78,8 @@ class Scheduler:
             raise ValueError(f"policy must be 'fifo' or 'srtf', got {config.policy!r}")
         if config.admission not in ("reserve", "greedy"):
             raise ValueError(f"admission must be 'reserve' or 'greedy', got {config.admission!r}")
+        if config.admission_overcommit < 0:
+            raise ValueError(f"admission_overcommit must be 0 or more, got {config.admission_overcommit}")
         self.config = config
         self.kv = kv
         self.connector = connector
@@ -360,13 +362,14 @@ class Scheduler:
 
     def _fits_projection(self, request: Request, hits: list) -> bool:
         """Admission "reserve": whether the running requests' projected blocks
-        (admission.py), with this request's, stay within the cache; if so the
-        request joins the projection. Shared prefix blocks it hits take
-        nothing more."""
+        (admission.py), with this request's, stay within the cache and the
+        overcommit allowed beyond it; if so the request joins the projection.
+        Shared prefix blocks it hits take nothing more."""
         bs = self.kv.block_size
         projection = self._projection
         if projection is None:
-            capacity = self.kv.pool.num_free_blocks + sum(len(r.block_ids) for r in self.running)
+            cache = self.kv.pool.num_free_blocks + sum(len(r.block_ids) for r in self.running)
+            capacity = cache * (1.0 + self.config.admission_overcommit)
             projection = self._projection = KVProjection(self.running, self.output_estimate, bs, capacity)
         finish = steps_left(request, self.output_estimate.expected_output(request))
         return projection.admit(request.num_tokens - len(hits) * bs, finish)

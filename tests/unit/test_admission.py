@@ -18,8 +18,10 @@ _ids = itertools.count()
 BS = 16
 
 
-def make(num_blocks: int, admission: str, budget: int = 256, max_num_seqs: int = 256) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, admission=admission),
+def make(num_blocks: int, admission: str, budget: int = 256, max_num_seqs: int = 256,
+         overcommit: float = 0.0) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, admission=admission,
+                                     admission_overcommit=overcommit),
                      KVCacheManager(num_blocks, BS))
 
 
@@ -83,6 +85,24 @@ def test_reserving_for_known_outputs_replaces_preemption_with_waiting():
         assert r.status is RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 64
     for sched in (greedy, reserve):
         assert sched.kv.pool.num_free_blocks == sched.kv.pool.num_usable_blocks
+
+
+def test_an_overcommit_admits_past_the_cache_and_preemption_absorbs_the_overshoot():
+    # The cache of the test above: 5 requests fit, projected at 8 blocks each
+    # at their ends (7, and one for the partial block the bound allows). Half
+    # over it (60 blocks) admits 7 (56), the eighth waits; the blocks too
+    # many are found by preemption, and every answer completes.
+    sched = make(41, "reserve", budget=1024, overcommit=0.5)
+    requests = [request(48, max_tokens=64) for _ in range(8)]
+    for r in requests:
+        sched.add_request(r)
+    assert len(sched.schedule().request_ids) == 7
+    sched.update([7] * 7, [None] * 7, {})
+    run(sched, [])
+    assert sched.stats.num_preemptions > 0 and sched.stats.num_admissions_deferred > 0
+    for r in requests:
+        assert r.status is RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 64
+    assert sched.kv.pool.num_free_blocks == sched.kv.pool.num_usable_blocks
 
 
 def test_admission_widens_once_finished_answers_turn_out_short():
@@ -158,6 +178,10 @@ def test_admission_is_an_engine_flag_and_bad_values_are_refused():
     assert EngineArgs(admission="greedy").create_engine_config().scheduler.admission == "greedy"
     with pytest.raises(ConfigError, match="--admission"):
         EngineArgs(admission="optimistic").create_engine_config()
+    assert EngineArgs().create_engine_config().scheduler.admission_overcommit == 0.0
+    assert EngineArgs(admission_overcommit=0.1).create_engine_config().scheduler.admission_overcommit == 0.1
+    with pytest.raises(ConfigError, match="--admission-overcommit"):
+        EngineArgs(admission_overcommit=-0.5).create_engine_config()
 
 
 @pytest.mark.parametrize("admission", ["reserve", "greedy"])

@@ -21,16 +21,24 @@ def test_greedy_recomputes_what_reserve_never_computes_twice():
     assert reserve.admissions_deferred > 0
     # Fewer requests at once: more, smaller decode steps.
     assert reserve.decode_steps > greedy.decode_steps and reserve.mean_decode_batch < greedy.mean_decode_batch
+    # An overcommit sits between the two: some work twice, fuller batches than exact reserve's.
+    between = replay(prompt_lens, output_lens, kv_tokens=4000, admission="reserve", max_num_seqs=64,
+                     max_num_batched_tokens=2048, overcommit=0.3)
+    assert 0 < between.tokens_recomputed < greedy.tokens_recomputed
+    assert reserve.mean_decode_batch < between.mean_decode_batch
 
 
 def test_the_command_prints_both_policies_and_writes_json(tmp_path):
     out = tmp_path / "replay.json"
     proc = subprocess.run([sys.executable, "-m", "tandem.bench.admission_replay", "--kv-tokens", "20000",
-                           "--num-prompts", "40", "--output-json", str(out)],
+                           "--num-prompts", "40", "--admission-overcommit", "0", "--admission-overcommit", "0.2",
+                           "--output-json", str(out)],
                           capture_output=True, text=True, timeout=120, check=True)
     lines = proc.stdout.splitlines()
     assert lines[0].split()[:3] == ["admission", "steps", "decode"]
-    assert [line.split()[0] for line in lines[1:]] == ["reserve", "greedy"]
+    assert [line.split()[0] for line in lines[1:]] == ["reserve", "reserve", "greedy"]
+    assert [line.split()[1] for line in lines[1:3]] == ["0", "0.2"]  # reserve's overcommit
     data = json.loads(out.read_text())
-    assert [r["admission"] for r in data["results"]] == ["reserve", "greedy"]
+    assert [(r["admission"], r["overcommit"]) for r in data["results"]] == [("reserve", 0.0), ("reserve", 0.2),
+                                                                             ("greedy", None)]
     assert "40 prompts" in proc.stderr
