@@ -25,6 +25,7 @@ import math
 import platform
 import statistics
 import sys
+from typing import Optional
 from dataclasses import asdict, dataclass, field
 
 from tandem.services.common.config import add_flag
@@ -63,6 +64,11 @@ class PrefillRow:
     tflops: float
     fraction_of_matmul: float
     max_rel_error: float
+    num_prompts: int = 1  # prompts of query_len in the launch
+    # torch's cuDNN attention on the same prompts (no prefix: it has no paged
+    # cache), a reference for what a library kernel reaches at this size; 0: not run
+    cudnn_tflops: float = 0.0
+    cudnn_fraction_of_matmul: float = 0.0
 
 
 @dataclass
@@ -319,13 +325,15 @@ class DecodeBench:
         return 4 * half / (us * 1e-6) / 1e9
 
 
-# (new tokens, cached prefix): prompts of 2k, 4k and 8k tokens (issue 20's mark), and
-# chunks over a cached prefix.
-PREFILL_SHAPES = ((2048, 0), (4096, 0), (8192, 0), (2048, 2048), (512, 7680))
+# (new tokens, cached prefix, prompts): one prompt of 2k, 4k and 8k tokens (issue
+# 20's mark), chunks over a cached prefix, and prompts of 2k-8k filling the
+# engine's 16,384-token step on an 80 GB GPU, as a busy prefill role runs them.
+PREFILL_SHAPES = ((2048, 0, 1), (4096, 0, 1), (8192, 0, 1), (2048, 2048, 1), (512, 7680, 1),
+                  (2048, 0, 8), (4096, 0, 4), (8192, 0, 2))
 
 
 def run_prefill(args: argparse.Namespace, ceilings: Ceilings, config=None,
-                check: bool = True) -> list[PrefillRow]:
+                check: bool = True, reference: bool = True) -> list[PrefillRow]:
     import torch
     from triton.testing import do_bench
 
@@ -337,10 +345,10 @@ def run_prefill(args: argparse.Namespace, ceilings: Ceilings, config=None,
     gen = torch.Generator().manual_seed(1)
     group = args.num_heads // args.num_kv_heads
     rows = []
-    for q_len, prefix in PREFILL_SHAPES:
+    for q_len, prefix, num_prompts in PREFILL_SHAPES:
         seq_len = q_len + prefix
-        b = make_batch(gen, [seq_len], [q_len], args.num_kv_heads, group, args.head_dim,
-                       args.block_size, dtype, "cuda")
+        b = make_batch(gen, [seq_len] * num_prompts, [q_len] * num_prompts, args.num_kv_heads, group,
+                       args.head_dim, args.block_size, dtype, "cuda")
         # As the engine calls it: the new tokens' K/V written, then also handed over.
         write_kv_torch(b.key, b.value, b.kv_cache, b.meta.slot_mapping)
         scale = args.head_dim ** -0.5
@@ -352,13 +360,46 @@ def run_prefill(args: argparse.Namespace, ceilings: Ceilings, config=None,
         err = rel_error(out, twin_attention(b.query, b.kv_cache, b.meta, scale)) if check else 0.0
         ms = do_bench(attend, warmup=25, rep=200, return_mode="median")
         # visible keys summed over query rows: prefix for all, causal triangle for the new
-        visible = q_len * prefix + q_len * (q_len + 1) / 2
+        visible = num_prompts * (q_len * prefix + q_len * (q_len + 1) / 2)
         flops = 4 * visible * args.num_heads * args.head_dim
         tflops = flops / (ms * 1e-3) / 1e12
+        cudnn_ms = _cudnn_prefill_ms(b, num_prompts, q_len, group) if reference and prefix == 0 else None
         rows.append(PrefillRow(query_len=q_len, prefix_len=prefix, ms=ms, tflops=tflops,
                                fraction_of_matmul=tflops / ceilings.matmul_tflops,
-                               max_rel_error=err))
+                               max_rel_error=err, num_prompts=num_prompts))
+        if cudnn_ms:
+            rows[-1].cudnn_tflops = flops / (cudnn_ms * 1e-3) / 1e12
+            rows[-1].cudnn_fraction_of_matmul = rows[-1].cudnn_tflops / ceilings.matmul_tflops
+        del b
+        torch.cuda.empty_cache()
     return rows
+
+
+def _cudnn_prefill_ms(b, num_prompts: int, q_len: int, group: int) -> Optional[float]:
+    """torch's cuDNN attention, causal, over the same prompts' query, key and value
+    (the KV heads repeated for the group); None where this torch or GPU lacks it."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from triton.testing import do_bench
+
+    head_dim = b.query.shape[-1]
+
+    def heads_first(rows: torch.Tensor) -> torch.Tensor:  # [tokens, heads, dim] -> [prompts, heads, q_len, dim]
+        return rows.reshape(num_prompts, q_len, -1, head_dim).transpose(1, 2)
+
+    q = heads_first(b.query)
+    k = heads_first(b.key.repeat_interleave(group, dim=1))
+    v = heads_first(b.value.repeat_interleave(group, dim=1))
+
+    def attend():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    try:
+        attend()
+    except RuntimeError:  # no cuDNN attention for this GPU, dtype or torch build
+        return None
+    return do_bench(attend, warmup=25, rep=200, return_mode="median")
 
 
 MIXED_SHAPES = ((255, 2048, 512, 1536), (63, 4096, 1024, 3072))  # decodes, ctx, chunk, prefix
@@ -443,7 +484,7 @@ def run_sweep(bench: DecodeBench, args: argparse.Namespace, ceilings: Ceilings) 
         # The same tiles whichever of the two configs the shape's launch picks.
         tiles = PrefillConfig(block_m, block_n, warps, stages)
         cfg = AttentionConfig(prefill=tiles, long_prefill=tiles)
-        rows = run_prefill(args, ceilings, cfg, check=False)
+        rows = run_prefill(args, ceilings, cfg, check=False, reference=False)
         results.append({"prefill_config": asdict(cfg.prefill), "shapes": PREFILL_SHAPES,
                         "tflops": [r.tflops for r in rows]})
         print(f"sweep {asdict(cfg.prefill)} TFLOP/s "
@@ -505,9 +546,11 @@ def print_report(report: Report) -> None:
               f"{r.prefix}: {r.ms:.3f} ms, {r.kv_gbps:.0f} GB/s of KV ({r.fraction_of_copy:.2f} "
               f"of copy), err {r.max_rel_error:.1e}")
     for r in report.prefill:
-        print(f"prefill q_len {r.query_len} prefix {r.prefix_len}: {r.ms:.3f} ms, "
+        ref = (f"; cuDNN {r.cudnn_tflops:.0f} TFLOP/s ({r.cudnn_fraction_of_matmul:.2f})"
+               if r.cudnn_tflops else "")
+        print(f"prefill {r.num_prompts} x q_len {r.query_len} prefix {r.prefix_len}: {r.ms:.3f} ms, "
               f"{r.tflops:.0f} TFLOP/s ({r.fraction_of_matmul:.2f} of matmul), "
-              f"err {r.max_rel_error:.1e}")
+              f"err {r.max_rel_error:.1e}{ref}")
 
 
 def run(args: argparse.Namespace) -> int:
