@@ -73,7 +73,8 @@ def replay(prompt_lens: list[int], output_lens: list[int], kv_tokens: int, admis
         if steps > 1_000_000:
             raise RuntimeError("the replay does not finish: the cache is too small for a request")
     once = sum(prompt_lens) + sum(n - 1 for n in output_lens)  # the last token is sampled, never computed
-    return ReplayResult(admission, overcommit if admission == "reserve" else None, steps, decode_steps, computed, computed - once, decode_tokens,
+    return ReplayResult(admission, overcommit if admission == "reserve" else None, steps, decode_steps,
+                        computed, computed - once, decode_tokens,
                         decode_tokens / decode_steps if decode_steps else 0.0,
                         sched.stats.num_preemptions, sched.stats.num_admissions_deferred)
 

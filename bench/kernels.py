@@ -25,8 +25,8 @@ import math
 import platform
 import statistics
 import sys
-from typing import Optional
 from dataclasses import asdict, dataclass, field
+from typing import Optional
 
 from tandem.services.common.config import add_flag
 

@@ -516,6 +516,9 @@ class EngineArgs:
         if self.admission_overcommit < 0:
             raise ConfigError("--admission-overcommit: a share of the cache, 0 or more; got "
                               f"{self.admission_overcommit}")
+        if self.admission_overcommit and self.admission != "reserve":
+            raise ConfigError(f"--admission-overcommit applies to --admission reserve, and --admission is "
+                              f"{self.admission}: drop one of them")
         if self.long_prefill_token_threshold < 0:
             raise ConfigError("--long-prefill-token-threshold: must be 0 (no limit) or more, got "
                               f"{self.long_prefill_token_threshold}")

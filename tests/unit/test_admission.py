@@ -182,6 +182,8 @@ def test_admission_is_an_engine_flag_and_bad_values_are_refused():
     assert EngineArgs(admission_overcommit=0.1).create_engine_config().scheduler.admission_overcommit == 0.1
     with pytest.raises(ConfigError, match="--admission-overcommit"):
         EngineArgs(admission_overcommit=-0.5).create_engine_config()
+    with pytest.raises(ConfigError, match="--admission-overcommit applies to --admission reserve"):
+        EngineArgs(admission="greedy", admission_overcommit=0.1).create_engine_config()
 
 
 @pytest.mark.parametrize("admission", ["reserve", "greedy"])
