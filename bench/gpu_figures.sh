@@ -85,12 +85,12 @@ for what in "${@:-tests latency throughput}"; do
           | grep -v "^a step took" | tail -22
       done ;;
     offline)  # issue 20's offline workload (the engine's own batch limits), bf16 then FP8 weights
-      # (QUANTS="bf16" or "fp8" runs one of them)
+      # (QUANTS="bf16" or "fp8" runs one of them; KV=fp8 puts both over an FP8 KV cache)
       for q in ${QUANTS:-bf16 fp8}; do
         [[ $q == bf16 ]] && q=""
         timeout 170 python -m tandem.bench.throughput --preset llama-3-8b --num-prompts 1000 --input-len 128 1024 \
-          --output-len 256 --no-hf --step-breakdown ${q:+--quantization $q} \
-          --output-json "$OUT/throughput_llama3_8b${q:+_$q}.json" 2>&1 | grep -v "^a step took" | tail -16
+          --output-len 256 --no-hf --step-breakdown ${q:+--quantization $q} ${KV:+--kv-cache-dtype $KV} \
+          --output-json "$OUT/throughput_llama3_8b${q:+_$q}${KV:+_kv$KV}.json" 2>&1 | grep -v "^a step took" | tail -16
       done ;;
     admission)  # --admission reserve (the default) against greedy in one lease: the offline workload
       # of Llama-3-8B, then 500 prompts of Qwen3-30B-A3B (both dummy bf16), whose caches on an 80 GB
