@@ -219,7 +219,9 @@ def run(args: argparse.Namespace) -> int:
     engine = _engine_report(llm)
     print(f"engine: max_num_seqs {engine['max_num_seqs']}, {engine['max_num_batched_tokens']} tokens a step, "
           f"{engine['kv_blocks']} KV blocks ({engine['kv_tokens']} tokens), {engine['preemptions']} preemptions, "
-          f"admission {engine['admission']} ({engine['admissions_deferred']} deferred)", file=sys.stderr)
+          f"admission {engine['admission']}"
+          + (f", overcommit {engine['admission_overcommit']:g}" if engine["admission_overcommit"] else "")
+          + f" ({engine['admissions_deferred']} deferred)", file=sys.stderr)
     if not args.no_hf:
         print("running the HF transformers baseline ...", file=sys.stderr)
         results.append(run_hf(args, prompts, output_lens, llm))
@@ -281,6 +283,7 @@ def _engine_report(llm) -> dict:
     return {"max_num_seqs": scheduler.max_num_seqs, "max_num_batched_tokens": scheduler.max_num_batched_tokens,
             "kv_blocks": blocks, "kv_tokens": blocks * engine.config.cache.block_size,
             "preemptions": stats.num_preemptions, "admission": scheduler.admission,
+            "admission_overcommit": scheduler.admission_overcommit,
             "admissions_deferred": stats.num_admissions_deferred}
 
 

@@ -57,10 +57,14 @@ def test_the_sustained_rate_is_a_gpus_and_its_fraction_divides_by_it():
 def test_bench_throughput_reports_the_roofline(tmp_path):
     out = tmp_path / "t.json"
     proc = subprocess.run([sys.executable, "-m", "tandem.bench.throughput", "--num-prompts", "4",
-                           "--input-len", "8", "16", "--output-len", "4", "--no-hf", "--output-json", str(out)],
+                           "--input-len", "8", "16", "--output-len", "4", "--no-hf", "--admission-overcommit", "0.1",
+                           "--output-json", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "of the roofline" in proc.stdout
+    # The engine line names the admission the run had, overcommit included.
+    assert "admission reserve, overcommit 0.1 (" in proc.stderr
+    assert json.loads(out.read_text())["engine"]["admission_overcommit"] == 0.1
     roofline = json.loads(out.read_text())["roofline"]
     tokens = json.loads(out.read_text())["results"][0]
     assert roofline["precision"] == "float32"  # the CPU engine's dtype
