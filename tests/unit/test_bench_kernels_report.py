@@ -28,3 +28,22 @@ def test_report_prints_the_same_size_copy_beside_each_decode_cell(capsys):
     # per cell: the same-size copy over the large copy, then the kernel over that copy
     assert lines[first + 4].split() == ["1", "0.28", "0.36", "0.80", "0.69"]
     assert lines[first + 5].split() == ["256", "0.98", "0.97", "1.00", "1.01"]
+
+
+def test_report_prints_cudnn_beside_the_prompt_rows_it_ran(capsys):
+    from tandem.bench.kernels import PrefillRow
+
+    report = Report(device="GPU", torch_version="t", triton_version="tr",
+                    shape={"dtype": "bf16", "num_heads": 32, "num_kv_heads": 8, "head_dim": 128,
+                           "block_size": 16},
+                    ceilings=Ceilings(copy_gbps=3000, matmul_tflops=700),
+                    prefill=[PrefillRow(query_len=2048, prefix_len=0, ms=0.1, tflops=350, fraction_of_matmul=0.5,
+                                        max_rel_error=2e-3, num_prompts=8, cudnn_tflops=420,
+                                        cudnn_fraction_of_matmul=0.6),
+                             PrefillRow(query_len=512, prefix_len=7680, ms=0.2, tflops=280,
+                                        fraction_of_matmul=0.4, max_rel_error=2e-3)])
+    print_report(report)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("prefill ")]
+    assert lines[0] == ("prefill 8 x q_len 2048 prefix 0: 0.100 ms, 350 TFLOP/s (0.50 of matmul), err 2.0e-03; "
+                        "cuDNN 420 TFLOP/s (0.60)")
+    assert lines[1] == "prefill 1 x q_len 512 prefix 7680: 0.200 ms, 280 TFLOP/s (0.40 of matmul), err 2.0e-03"
