@@ -3,7 +3,7 @@
 # CUDA machine whose Python has torch, triton and transformers (the lent H100
 # image has them; see ../shared/device/README.md). OUT: where JSON results go.
 # Usage: bash bench/gpu_figures.sh [kernels|tests|latency|mixed|throughput|tp|tp-tests|kv|warmup|
-#                                   fp8-vs-bf16|offline|moe|prefill|spec|admission]...
+#                                   fp8-vs-bf16|offline|moe|prefill|spec|admission|decode-variants]...
 # kernels: the decode sweep (fused vs two-launch reduce, tiles, splits per SM) on
 # SWEEP_SHAPES (set it empty to skip the sweep), then the whole decode table with
 # the defaults.
@@ -91,6 +91,14 @@ for what in "${@:-tests latency throughput}"; do
         timeout 170 python -m tandem.bench.throughput --preset llama-3-8b --num-prompts 1000 --input-len 128 1024 \
           --output-len 256 --no-hf --step-breakdown ${q:+--quantization $q} ${KV:+--kv-cache-dtype $KV} \
           --output-json "$OUT/throughput_llama3_8b${q:+_$q}${KV:+_kv$KV}.json" 2>&1 | grep -v "^a step took" | tail -16
+      done ;;
+    decode-variants)  # the decode kernel's grid order and load order, over the engine's block layout and a
+      # heads-outer one, at the offline workload's decode shapes (256-800 sequences of ~704 tokens) and two
+      # smaller ones; FP8 cache first (its reads are the ones below the copy bandwidth), then bf16
+      for kv in fp8 auto; do
+        timeout 240 python -m tandem.bench.kernels --skip-prefill --batches 1 --contexts 512 --kv-cache-dtype $kv \
+          --decode-variants --sweep-shapes 8x2048,64x704,256x704,512x704,800x704 \
+          --json "$OUT/decode_variants_$kv.json" 2>&1 | grep -v Warning | tail -14
       done ;;
     admission)  # --admission reserve (the default) against greedy in one lease: the offline workload
       # of Llama-3-8B, then 500 prompts of Qwen3-30B-A3B (both dummy bf16), whose caches on an 80 GB

@@ -85,6 +85,24 @@ class MixedRow:
 
 
 @dataclass
+class DecodeVariantRow:
+    """One way of reading the cache (--decode-variants) on the sweep shapes."""
+    layout: str  # "tokens-outer" (the engine's blocks) or "heads-outer"
+    grid_heads_first: bool
+    values_after_scores: bool
+    shapes: list[tuple[int, int]]  # (batch, context)
+    us: list[float]
+    fractions: list[float]  # KV bytes read a second over the large copy's, per shape
+    max_rel_error: float
+
+
+# The layouts --decode-variants reads: the engine's block, [block_size,
+# kv_heads, head_dim] in memory, and the heads-outer one, [kv_heads,
+# block_size, head_dim], where one KV head's rows of a block are contiguous.
+LAYOUTS = ("tokens-outer", "heads-outer")
+
+
+@dataclass
 class Report:
     device: str
     torch_version: str
@@ -95,6 +113,7 @@ class Report:
     prefill: list[PrefillRow] = field(default_factory=list)
     mixed: list[MixedRow] = field(default_factory=list)
     sweep: list[dict] = field(default_factory=list)
+    decode_variants: list[DecodeVariantRow] = field(default_factory=list)
 
 
 def _int_list(text: str) -> list[int]:
@@ -144,6 +163,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--tile-sweep", type=bool,
              help="also time the decode kernel's tiles (tokens a tile, warps, pipeline stages) "
                   "on --sweep-shapes, the splits as the defaults choose them")
+    add_flag(parser, "--decode-variants", type=bool,
+             help="also time the decode kernel's grid order (KV heads first) and load order "
+                  "(values after the scores), each over the engine's block layout and over a "
+                  "heads-outer one ([blocks, kv_heads, block_size, head_dim] in memory), on "
+                  "--sweep-shapes, the tiles as the defaults choose them")
     add_flag(parser, "--skip-prefill", type=bool,
              help="leave out the prefill and mixed (decodes + prompt chunk) tables")
     add_flag(parser, "--json", default="kernels.json", help="where to write all numbers")
@@ -214,7 +238,7 @@ class DecodeBench:
         self.l2_bytes = getattr(props, "L2_cache_size", 50 * 2**20)
         bs = args.block_size
         shapes = [(b, c) for b in args.batches for c in args.contexts]
-        if args.sweep or args.tile_sweep:  # the sweeps' shapes draw from the same pool
+        if args.sweep or args.tile_sweep or args.decode_variants:  # the sweeps' shapes draw from the same pool
             shapes += list(args.sweep_shapes)
         self.pool_blocks = max(b * math.ceil(c / bs) for b, c in shapes)
         self.pool_blocks = max(self.pool_blocks, 4 * self.l2_bytes // self.block_bytes + 64)
@@ -473,6 +497,52 @@ def run_tile_sweep(bench: DecodeBench, args: argparse.Namespace, ceilings: Ceili
     return results
 
 
+def heads_outer(kv_cache):
+    """The same values as kv_cache ([2, blocks, block_size, kv_heads, head_dim]),
+    stored heads-outer ([2, blocks, kv_heads, block_size, head_dim] in memory)
+    and seen through a view of kv_cache's shape: the kernels take strides."""
+    return kv_cache.transpose(2, 3).contiguous().transpose(2, 3)
+
+
+def decode_variant_grid() -> list[tuple[str, bool, bool]]:
+    """(layout, grid_heads_first, values_after_scores), the engine's own first."""
+    return [(layout, first, after) for layout in LAYOUTS for first in (False, True) for after in (False, True)]
+
+
+def run_decode_variants(bench: DecodeBench, args: argparse.Namespace, ceilings: Ceilings) -> list[DecodeVariantRow]:
+    from dataclasses import replace
+
+    from tandem.kernels.attention_triton import DEFAULT_CONFIG, AttentionConfig
+
+    engine_cache = bench.kv_cache
+    caches = {"tokens-outer": engine_cache, "heads-outer": heads_outer(engine_cache)}
+    results = []
+    try:
+        for layout, first, after in decode_variant_grid():
+            bench.kv_cache = caches[layout]
+            cfg = AttentionConfig(decode=replace(DEFAULT_CONFIG.decode, grid_heads_first=first,
+                                                 values_after_scores=after))
+            rows = [bench.run(b, c, cfg, check=True, same_size_copy=False) for b, c in args.sweep_shapes]
+            worst = max(r.max_rel_error for r in rows)
+            if worst > 2e-2:  # as run_sweep: a fast wrong variant is no candidate
+                raise RuntimeError(f"{layout} heads_first={first} values_after_scores={after}: "
+                                   f"relative error {worst:.1e} against the torch twin")
+            row = DecodeVariantRow(layout, first, after, list(args.sweep_shapes), [r.us for r in rows],
+                                   [r.kv_gbps / ceilings.copy_gbps for r in rows], worst)
+            results.append(row)
+            print(f"variant {variant_name(row)}: " + " ".join(
+                f"{b}x{c} {us:.0f}us/{f:.2f}" for (b, c), us, f in zip(row.shapes, row.us, row.fractions)),
+                flush=True)
+    finally:
+        bench.kv_cache = engine_cache
+    return results
+
+
+def variant_name(row: DecodeVariantRow) -> str:
+    return (f"{row.layout}, {'heads' if row.grid_heads_first else 'sequences'} first, "
+            f"values {'after' if row.values_after_scores else 'with'} scores")
+
+
 def run_sweep(bench: DecodeBench, args: argparse.Namespace, ceilings: Ceilings) -> list[dict]:
     from tandem.kernels.attention_triton import AttentionConfig, DecodeConfig, PrefillConfig
 
@@ -541,6 +611,15 @@ def print_report(report: Report) -> None:
                 for ctx in contexts))
         worst = max(r.max_rel_error for r in report.decode)
         print(f"max relative error vs torch twin: {worst:.1e}")
+    if report.decode_variants:
+        shapes = report.decode_variants[0].shapes
+        print("decode variants, KV read as a fraction of copy; each shape's time over the engine's "
+              "(the first row's)")
+        print(f"{'':46}" + "".join(f"{f'{b}x{c}':>14}" for b, c in shapes))
+        base = report.decode_variants[0].us
+        for row in report.decode_variants:
+            print(f"{variant_name(row):46}" + "".join(
+                f"{f:>8.2f} {us / b_us:>5.2f}" for f, us, b_us in zip(row.fractions, row.us, base)))
     for r in report.mixed:
         print(f"mixed {r.decodes} decodes x {r.decode_context} + chunk {r.chunk} over prefix "
               f"{r.prefix}: {r.ms:.3f} ms, {r.kv_gbps:.0f} GB/s of KV ({r.fraction_of_copy:.2f} "
@@ -577,6 +656,8 @@ def run(args: argparse.Namespace) -> int:
         report.sweep = run_sweep(bench, args, ceilings)
     if args.tile_sweep:
         report.sweep += run_tile_sweep(bench, args, ceilings)
+    if args.decode_variants:
+        report.decode_variants = run_decode_variants(bench, args, ceilings)
     for batch in args.batches:
         for context in args.contexts:
             row = bench.run(batch, context)

@@ -82,6 +82,12 @@ class DecodeConfig:
     # batch-1 verifying graph (k = 4) took 737.8 us against 904.3 with the
     # prompt kernel, one lease (H200, docs/kernels.md, version 18).
     max_uniform_rows: int = 32
+    # The decode kernel's grid order and load order (decode_attention_triton,
+    # HEADS_FIRST and VALUES_AFTER_SCORES), each a way to lift an FP8 cache's
+    # reads from 0.68-0.75 of the copy bandwidth; off until `tandem bench
+    # kernels --decode-variants` measures them on a GPU (docs/kernels.md).
+    grid_heads_first: bool = False
+    values_after_scores: bool = False
 
     def launch_tiles(self, num_splits: int, programs_per_sm: float) -> tuple[int, int, int]:
         """(num_warps, num_stages, block_n) of a grid of num_splits splits whose
@@ -294,7 +300,8 @@ def _split_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                             partition_size=grid.partition_size, block_n=grid.block_n,
                             num_warps=grid.num_warps, num_stages=grid.num_stages,
                             reduce_chunk=d.reduce_chunk, fused_max_splits=d.fused_max_splits,
-                            query_len=query_len)
+                            query_len=query_len, heads_first=d.grid_heads_first,
+                            values_after_scores=d.values_after_scores)
 
 
 # (device, dtype, head_dim, tiles, with descriptors) whose long-prefill tiles

@@ -96,15 +96,29 @@ def _decode_partition_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, FP16_PRODUCTS: tl.constexpr, PDL: tl.constexpr,
-    QLEN: tl.constexpr = 1,
+    QLEN: tl.constexpr = 1, HEADS_FIRST: tl.constexpr = False, VALUES_AFTER_SCORES: tl.constexpr = False,
 ):
     """QLEN > 1: each sequence's last QLEN tokens are its queries (rows
     seq * QLEN + t of q and out), each seeing the context up to itself; a
     program's rows are then its KV head's GROUP heads of every one of them
-    (GROUP_PAD covers QLEN * GROUP), so the tile is read once for all."""
+    (GROUP_PAD covers QLEN * GROUP), so the tile is read once for all.
+
+    HEADS_FIRST: the grid is (KV heads, sequences, splits) instead of
+    (sequences, KV heads, splits). Programs start in grid order, so the KV
+    heads of one sequence then run side by side and read the same blocks
+    together; with the sequences first, the programs running at once read
+    one KV head's 128-byte (FP8) or 256-byte (16-bit) rows of many blocks.
+    VALUES_AFTER_SCORES: a tile's values are loaded (and widened, over an
+    FP8 cache) after its scores, so the widened keys and values are not in
+    registers together. Both are DecodeConfig's, unmeasured as yet
+    (docs/kernels.md, Not done / next)."""
     pdl_prologue(PDL)
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FIRST:
+        kv_head = tl.program_id(0)
+        seq = tl.program_id(1)
+    else:
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     # Each sequence spreads its own context over the grid's splits, in whole
@@ -154,7 +168,8 @@ def _decode_partition_kernel(
                 + head_off)[:, None] + dims[None, :]
         # An FP8 cache's values widen (exactly) to the products' dtype, q's.
         k = tl.load(key_cache_ptr + offs, mask=tok_mask[:, None], other=0.0).to(q.dtype)
-        v = tl.load(value_cache_ptr + offs, mask=tok_mask[:, None], other=0.0).to(q.dtype)
+        if not VALUES_AFTER_SCORES:
+            v = tl.load(value_cache_ptr + offs, mask=tok_mask[:, None], other=0.0).to(q.dtype)
         s = mma(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * scale_log2
         if QLEN > 1:  # causal: row t sees the tokens up to seq_len - QLEN + t
             limit = seq_len - QLEN + 1 + rows // GROUP
@@ -169,6 +184,8 @@ def _decode_partition_kernel(
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        if VALUES_AFTER_SCORES:
+            v = tl.load(value_cache_ptr + offs, mask=tok_mask[:, None], other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
 
@@ -349,7 +366,8 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
                      scale: float, out: torch.Tensor, *, partition_size: int, block_n: int,
                      num_warps: int = 4, num_stages: int = 2, reduce_chunk: int = 64,
-                     fused_max_splits: int = 0, query_len: int = 1) -> torch.Tensor:
+                     fused_max_splits: int = 0, query_len: int = 1, heads_first: bool = False,
+                     values_after_scores: bool = False) -> torch.Tensor:
     """out[i] = attention of query[i] ([num_heads, head_dim]) over sequence i's context.
 
     query_len > 1: every sequence has that many query tokens, its last ones,
@@ -365,6 +383,11 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     reduce_chunk: at most this many partial results combined per loop step
     (a power of two). Each step is a dependent round trip to memory, on the
     critical path at small batch.
+    heads_first, values_after_scores: the kernel's HEADS_FIRST and
+    VALUES_AFTER_SCORES (grid order; when a tile's values are loaded).
+    The caches may have any strides but a dense head_dim: a heads-outer
+    block ([num_blocks, num_kv_heads, block_size, head_dim] in memory) is
+    read through a permuted view of that shape.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = num_tokens // query_len
@@ -387,7 +410,10 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         po_strides = part_out.stride()[:3]
         pl_strides = part_lse.stride()[:2]
     pdl = pdl_launch(query)
-    _decode_partition_kernel[(num_seqs, num_kv_heads, num_splits)](
+    if heads_first and num_seqs > 65535:  # CUDA's limit on a grid's second dimension
+        raise ValueError(f"decode attention with heads_first takes at most 65535 sequences, got {num_seqs}")
+    grid = (num_kv_heads, num_seqs, num_splits) if heads_first else (num_seqs, num_kv_heads, num_splits)
+    _decode_partition_kernel[grid](
         query, key_cache, value_cache, block_tables, seq_lens, out, part_out, part_lse,
         counters,
         scale * LOG2E,
@@ -402,7 +428,8 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SINGLE_SPLIT=single, FUSED_REDUCE=fused,
         SPLIT_CHUNK=choices.split_chunk,
         **dot_settings(query.dtype), FP16_PRODUCTS=fp16_products(query.dtype, key_cache.dtype), **pdl,
-        QLEN=query_len, num_warps=num_warps, num_stages=num_stages,
+        QLEN=query_len, HEADS_FIRST=heads_first, VALUES_AFTER_SCORES=values_after_scores,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if not single and not fused:
         _decode_reduce_kernel[(num_tokens, num_heads)](

@@ -47,3 +47,36 @@ def test_report_prints_cudnn_beside_the_prompt_rows_it_ran(capsys):
     assert lines[0] == ("prefill 8 x q_len 2048 prefix 0: 0.100 ms, 350 TFLOP/s (0.50 of matmul), err 2.0e-03; "
                         "cuDNN 420 TFLOP/s (0.60)")
     assert lines[1] == "prefill 1 x q_len 512 prefix 7680: 0.200 ms, 280 TFLOP/s (0.40 of matmul), err 2.0e-03"
+
+
+def test_heads_outer_cache_holds_the_same_values_with_each_heads_rows_of_a_block_together():
+    import torch
+
+    from tandem.bench.kernels import heads_outer
+
+    cache = torch.randn(2, 5, 16, 8, 128)  # [K/V, blocks, block_size, kv_heads, head_dim]
+    outer = heads_outer(cache)
+    assert outer.shape == cache.shape and torch.equal(outer, cache)
+    # in memory: [2, blocks, kv_heads, block_size, head_dim]
+    assert outer.stride() == (5 * 8 * 16 * 128, 8 * 16 * 128, 128, 16 * 128, 1)
+
+
+def test_report_prints_each_decode_variant_against_the_engines_own(capsys):
+    from tandem.bench.kernels import DecodeVariantRow
+
+    shapes = [(256, 704), (800, 704)]
+    report = Report(device="GPU", torch_version="t", triton_version="tr",
+                    shape={"dtype": "bf16", "num_heads": 32, "num_kv_heads": 8, "head_dim": 128,
+                           "block_size": 16},
+                    ceilings=Ceilings(copy_gbps=3000, matmul_tflops=700),
+                    decode_variants=[
+                        DecodeVariantRow("tokens-outer", False, False, shapes, [100.0, 300.0], [0.70, 0.72], 1e-3),
+                        DecodeVariantRow("heads-outer", True, True, shapes, [80.0, 270.0], [0.875, 0.80], 1e-3)])
+    print_report(report)
+    lines = capsys.readouterr().out.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("decode variants"))
+    assert lines[first + 1].split() == ["256x704", "800x704"]
+    assert lines[first + 2].split(",")[0] == "tokens-outer"
+    assert lines[first + 2].split()[-4:] == ["0.70", "1.00", "0.72", "1.00"]
+    assert "heads first, values after scores" in lines[first + 3]
+    assert lines[first + 3].split()[-4:] == ["0.88", "0.80", "0.80", "0.90"]

@@ -244,3 +244,57 @@ print("decode tiles ok")
 @pytest.mark.timeout(150)
 def test_an_fp8_cache_decodes_whole_contexts_in_2_warp_programs_and_split_ones_in_4() -> None:
     assert "decode tiles ok" in run_interpreted_script(DECODE_TILES, timeout_s=130)
+
+
+# The decode kernel's grid and load orders (DecodeConfig.grid_heads_first,
+# values_after_scores) over the engine's block layout and over a heads-outer
+# one, read through a permuted view: each against the twin, for whole
+# contexts (one split) and split ones (combined in the launch), bf16 and
+# FP8 caches. The child records what each launch was handed, so a switch
+# that never reaches the kernel fails too.
+DECODE_VARIANTS = r"""
+import dataclasses
+import torch
+import tandem.kernels.attention_triton as at
+from tandem.bench.kernels import decode_variant_grid, heads_outer
+from tandem.kernels.kv_cache_dtype import FP8_KV_DTYPE
+from tandem.kernels.selfcheck import make_batch, rel_error, twin_attention
+
+at._num_sms = lambda device: 2
+handed = []
+real = at.decode_attention
+
+def watched(*args, **kwargs):
+    handed.append((kwargs["heads_first"], kwargs["values_after_scores"], args[1].stride()))
+    return real(*args, **kwargs)
+
+at.decode_attention = watched
+gen = torch.Generator().manual_seed(0)
+checked = 0
+for cache_dtype in (FP8_KV_DTYPE, None):
+    shape = dict(num_kv_heads=2, group=4, head_dim=16, block_size=16, dtype=torch.bfloat16, device="cpu",
+                 cache_dtype=cache_dtype)
+    for name, lens in (("many", [40, 7, 33, 20]), ("one long", [300])):
+        b = make_batch(gen, lens, [1] * len(lens), **shape)
+        ref = twin_attention(b.query, b.kv_cache, b.meta, 0.25)
+        for layout, first, after in decode_variant_grid():
+            cache = b.kv_cache if layout == "tokens-outer" else heads_outer(b.kv_cache)
+            assert torch.equal(cache.float(), b.kv_cache.float())
+            cfg = at.AttentionConfig(decode=dataclasses.replace(
+                at.DEFAULT_CONFIG.decode, grid_heads_first=first, values_after_scores=after))
+            handed.clear()
+            out = at.paged_attention_triton(b.query, cache, b.meta, 0.25, cfg)
+            err = rel_error(out, ref)
+            assert err < 2e-2, (name, cache_dtype, layout, first, after, err)
+            # the key cache's strides: [blocks, block_size, kv_heads, head_dim]
+            heads_outer_strides = (16 * 2 * 16, 16, 16 * 16, 1)
+            assert handed[0][:2] == (first, after), handed
+            assert (handed[0][2] == heads_outer_strides) == (layout == "heads-outer"), handed
+            checked += 1
+print(f"decode variants ok: {checked}")
+"""
+
+
+@pytest.mark.timeout(200)
+def test_decode_grid_and_load_orders_agree_with_the_twin_over_both_block_layouts() -> None:
+    assert "decode variants ok: 32" in run_interpreted_script(DECODE_VARIANTS, timeout_s=180)
