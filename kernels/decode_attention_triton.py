@@ -386,8 +386,8 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     heads_first, values_after_scores: the kernel's HEADS_FIRST and
     VALUES_AFTER_SCORES (grid order; when a tile's values are loaded).
     The caches may have any strides but a dense head_dim: a heads-outer
-    block ([num_blocks, num_kv_heads, block_size, head_dim] in memory) is
-    read through a permuted view of that shape.
+    cache ([num_blocks, num_kv_heads, block_size, head_dim] in memory) is
+    passed as a view shaped [num_blocks, block_size, num_kv_heads, head_dim].
     """
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = num_tokens // query_len
