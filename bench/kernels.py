@@ -461,6 +461,15 @@ def run_mixed(args: argparse.Namespace, ceilings: Ceilings) -> list[MixedRow]:
     return rows
 
 
+def worst_error_or_raise(rows: list[DecodeRow], what: str) -> float:
+    """The largest relative error of a sweep's rows against the torch twin;
+    raises above 2e-2, as run_sweep does: a fast wrong setting is no candidate."""
+    worst = max(r.max_rel_error for r in rows)
+    if worst > 2e-2:
+        raise RuntimeError(f"{what}: relative error {worst:.1e} against the torch twin")
+    return worst
+
+
 def run_tile_sweep(bench: DecodeBench, args: argparse.Namespace, ceilings: Ceilings) -> list[dict]:
     """The decode kernel's tiles on the sweep shapes, splits and reduce as the defaults
     choose them: each row is the fraction of the copy bandwidth a tile setting reads KV at."""
@@ -486,9 +495,7 @@ def run_tile_sweep(bench: DecodeBench, args: argparse.Namespace, ceilings: Ceili
                     print(f"tiles block_n={block_n} warps={warps} stages={stages}: {exc}", flush=True)
                     continue
                 fracs = [r.kv_gbps / ceilings.copy_gbps for r in rows]
-                worst = max(r.max_rel_error for r in rows)
-                if worst > 2e-2:  # as run_sweep: a fast wrong tile is no candidate
-                    raise RuntimeError(f"{d} : relative error {worst:.1e} against the torch twin")
+                worst = worst_error_or_raise(rows, str(d))
                 results.append({"config": asdict(d), "shapes": args.sweep_shapes, "fractions": fracs,
                                 "us": [r.us for r in rows], "max_rel_error": worst})
                 print(f"tiles block_n={block_n} warps={warps} stages={stages}: "
@@ -523,10 +530,7 @@ def run_decode_variants(bench: DecodeBench, args: argparse.Namespace, ceilings: 
             cfg = AttentionConfig(decode=replace(DEFAULT_CONFIG.decode, grid_heads_first=first,
                                                  values_after_scores=after))
             rows = [bench.run(b, c, cfg, check=True, same_size_copy=False) for b, c in args.sweep_shapes]
-            worst = max(r.max_rel_error for r in rows)
-            if worst > 2e-2:  # as run_sweep: a fast wrong variant is no candidate
-                raise RuntimeError(f"{layout} heads_first={first} values_after_scores={after}: "
-                                   f"relative error {worst:.1e} against the torch twin")
+            worst = worst_error_or_raise(rows, f"{layout} heads_first={first} values_after_scores={after}")
             row = DecodeVariantRow(layout, first, after, list(args.sweep_shapes), [r.us for r in rows],
                                    [r.kv_gbps / ceilings.copy_gbps for r in rows], worst)
             results.append(row)

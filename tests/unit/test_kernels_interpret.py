@@ -271,6 +271,8 @@ def watched(*args, **kwargs):
 at.decode_attention = watched
 gen = torch.Generator().manual_seed(0)
 checked = 0
+# a heads-outer key cache's strides, as [blocks, block_size, kv_heads, head_dim]
+heads_outer_strides = (16 * 2 * 16, 16, 16 * 16, 1)
 for cache_dtype in (FP8_KV_DTYPE, None):
     shape = dict(num_kv_heads=2, group=4, head_dim=16, block_size=16, dtype=torch.bfloat16, device="cpu",
                  cache_dtype=cache_dtype)
@@ -286,8 +288,6 @@ for cache_dtype in (FP8_KV_DTYPE, None):
             out = at.paged_attention_triton(b.query, cache, b.meta, 0.25, cfg)
             err = rel_error(out, ref)
             assert err < 2e-2, (name, cache_dtype, layout, first, after, err)
-            # the key cache's strides: [blocks, block_size, kv_heads, head_dim]
-            heads_outer_strides = (16 * 2 * 16, 16, 16 * 16, 1)
             assert handed[0][:2] == (first, after), handed
             assert (handed[0][2] == heads_outer_strides) == (layout == "heads-outer"), handed
             checked += 1
