@@ -41,6 +41,7 @@ import time
 
 from tandem.bench.gpu_clocks import ClockSampler
 from tandem.bench.step_gaps import measure_step_gaps
+from tandem.bench.decode_switches import add_decode_switch_flag, apply_decode_switches
 from tandem.engine.config import KV_TRANSFER_FIELDS, EngineArgs
 
 
@@ -76,6 +77,7 @@ def register(subparsers) -> None:
                         "under torch.profiler and print the TOP kernels by GPU time a step, with the time "
                         "between kernels (default 0: off)")
     p.add_argument("--output-json", default=None)
+    add_decode_switch_flag(p)
     EngineArgs.add_cli_args(p, skip=("max_num_seqs", *KV_TRANSFER_FIELDS))
     p.set_defaults(handler=run)
 
@@ -117,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     from tandem.kernels import compile_log
 
     batches = [int(b) for b in args.batch_sizes.split(",")]
+    decode_kernel = apply_decode_switches(args.decode_kernel, args.tensor_parallel_size)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="tandem-latency-") as folder:
         llm = build_llm(args, max(batches), folder)
@@ -232,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
                        "copy_bandwidth_Bps": bw, "matmul_peak_flops": peak, "weight_bytes": weight_bytes, "expert_bytes": expert_bytes, "cuda_graphs": runner.graphs is not None,
                        "tokenizer": engine.tokenizer is not None, "async_scheduling": engine.async_scheduling,
                        "start_s": start_s, "warmup": dataclasses.asdict(warmup) if warmup else None,
-                       "compiled_after_start": compiled_after_start,
+                       "compiled_after_start": compiled_after_start, "decode_kernel": decode_kernel,
                        "rows": rows}, f, indent=2)
     return 0
 

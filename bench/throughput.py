@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Optional
 
 from tandem.bench.gpu_clocks import ClockSampler
+from tandem.bench.decode_switches import add_decode_switch_flag, apply_decode_switches
 from tandem.engine.config import KV_TRANSFER_FIELDS, EngineArgs
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ def register(subparsers) -> None:
                    help="after the run, the first pass's time by the path its engine steps took (decode "
                         "graphs, verifying graphs, piecewise graphs, eager), each beside the compute "
                         "roofline of its tokens (bench/step_breakdown.py)")
+    add_decode_switch_flag(p)
     EngineArgs.add_cli_args(p, skip=KV_TRANSFER_FIELDS)
     p.set_defaults(handler=run)
 
@@ -190,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
 
         vocab = preset_config(args.preset).vocab_size
     prompts, output_lens = make_workload(args, vocab)
+    apply_decode_switches(args.decode_kernel, args.tensor_parallel_size)  # args.decode_kernel goes into the JSON
     print(f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, {sum(output_lens)} output "
           f"tokens ({args.dataset})", file=sys.stderr)
     results = []

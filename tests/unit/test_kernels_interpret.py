@@ -291,6 +291,13 @@ for cache_dtype in (FP8_KV_DTYPE, None):
             assert handed[0][:2] == (first, after), handed
             assert (handed[0][2] == heads_outer_strides) == (layout == "heads-outer"), handed
             checked += 1
+# `--decode-kernel` (bench/decode_switches.py) reaches a call without a config, as the engine's are
+from tandem.bench.decode_switches import apply_decode_switches
+apply_decode_switches(["heads-first", "values-after-scores"])
+handed.clear()
+out = at.paged_attention_triton(b.query, b.kv_cache, b.meta, 0.25)
+assert handed[0][:2] == (True, True), handed
+assert rel_error(out, ref) < 2e-2
 print(f"decode variants ok: {checked}")
 """
 
