@@ -52,6 +52,9 @@ AttentionBackend = Literal["auto", "triton", "torch"]
 # The KV cache's storage: the model's dtype, or FP8 e4m3 (fp8 and fp8_e4m3 are
 # one thing, vLLM's two names for it).
 KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
+# How a KV block keeps its tokens' rows in memory (vLLM's names): NHD
+# [block_size, kv_heads, head_dim], HND [kv_heads, block_size, head_dim].
+KVBlockLayout = Literal["NHD", "HND"]
 
 
 @dataclass
@@ -92,6 +95,11 @@ class CacheConfig:
     # How keys and values are stored: "auto" in the model's dtype, "fp8" as
     # e4m3 (kernels/kv_cache_dtype.py): half a bf16 cache's bytes.
     cache_dtype: KVCacheDtype = "auto"
+    # How each block keeps its rows in memory (model_runner.zeroed_kv_cache):
+    # NHD, tokens outer, or HND, one KV head's rows of a block side by side.
+    # Every tensor that reaches the kernels and connectors keeps NHD's shape;
+    # HND is a transposed view of its storage, and the kernels take strides.
+    block_layout: KVBlockLayout = "NHD"
 
 
 @dataclass
@@ -294,6 +302,13 @@ class EngineArgs:
         "decode the same value (the router keeps out an engine whose blocks the others cannot share). "
         "On CUDA needs compute capability 8.9+ (Ada, Hopper); the CPU twins take it anywhere",
         group=_CACHE)
+    kv_cache_layout: KVBlockLayout = flag_field(
+        "NHD", "how each KV block keeps its rows in memory (vLLM's names): NHD, a token's heads side "
+        "by side (the default); HND, one KV head's rows of the block side by side, so a decode "
+        "program reading that head reads one piece of memory a block. Outputs are the same either "
+        "way; which reads faster is for `tandem bench kernels --decode-variants` to say on a GPU "
+        "(docs/kernels.md). HND does not yet work with --kv-transfer, --swap-space or "
+        "--tensor-parallel-size above 1", group=_CACHE)
 
     # --- scheduler
     max_num_batched_tokens: Optional[int] = flag_field(
@@ -464,7 +479,8 @@ class EngineArgs:
                               gpu_memory_utilization=self.gpu_memory_utilization,
                               cpu_kv_cache_gib=self.cpu_kv_cache_gib,
                               enable_prefix_caching=self.enable_prefix_caching,
-                              swap_space_gib=self.swap_space, cache_dtype=self.kv_cache_dtype),
+                              swap_space_gib=self.swap_space, cache_dtype=self.kv_cache_dtype,
+                              block_layout=self.kv_cache_layout),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs, policy=self.policy,
                                       admission=self.admission,
@@ -530,6 +546,16 @@ class EngineArgs:
                               "--kv-transfer store, or drop --kv-store")
         if self.swap_space < 0:
             raise ConfigError(f"--swap-space: GiB of host memory, 0 (off) or more; got {self.swap_space}")
+        if self.kv_cache_layout == "HND":
+            # The connectors and the host tier move blocks as bytes, and a peer
+            # of the other layout would read them transposed; tensor-parallel
+            # ranks share one view of the blocks: all of them assume NHD.
+            other = [flag for flag, on in (("--kv-transfer", self.kv_transfer not in ("none", None)),
+                                           ("--swap-space", self.swap_space > 0),
+                                           ("--tensor-parallel-size", self.tensor_parallel_size > 1)) if on]
+            if other:
+                raise ConfigError(f"--kv-cache-layout HND does not yet work with {', '.join(other)}: "
+                                  "use the default NHD there")
         if self.attention_backend == "triton" and self.device == "cpu":
             raise ConfigError("--attention-backend triton needs CUDA, and --device is cpu: use "
                               "--attention-backend auto or torch")

@@ -84,16 +84,27 @@ class BatchInputs:
     logits_indices: Optional[torch.Tensor]
 
 
-def zeroed_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed KV cache. On the CPU its memory is an anonymous mapping, whose
+def zeroed_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                    block_layout: str = "NHD") -> torch.Tensor:
+    """A zeroed KV cache of `shape` ([..., block_size, kv_heads, head_dim]).
+    block_layout HND stores each block heads-outer ([..., kv_heads, block_size,
+    head_dim] in memory) and returns the transposed view, so everything that
+    indexes the cache sees the same shape either way.
+
+    On the CPU its memory is an anonymous mapping, whose
     pages the kernel hands out zeroed when first written: the process takes
     memory for the blocks it has used, not for all of them at start (torch.zeros
     writes every page, 1 GiB for the default --cpu-kv-cache-gib): the two
     engines of a test stack held 3.7 GB for a few short prompts."""
+    if block_layout not in ("NHD", "HND"):
+        raise ValueError(f"block_layout must be NHD or HND, got {block_layout!r}")
+    stored = shape if block_layout == "NHD" else (*shape[:-3], shape[-2], shape[-3], shape[-1])
     if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * dtype.itemsize
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
+        cache = torch.zeros(stored, dtype=dtype, device=device)
+    else:
+        nbytes = math.prod(stored) * dtype.itemsize
+        cache = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(stored)
+    return cache if block_layout == "NHD" else cache.transpose(-3, -2)
 
 
 class ModelRunner:
@@ -193,14 +204,15 @@ class ModelRunner:
         """Use `kv_cache` (a KV connector's, e.g. shared memory) or a fresh zeroed
         one. One allocation for every layer; each layer's cache is a view of it."""
         if kv_cache is None:
-            kv_cache = zeroed_kv_cache(self.layout.shape, self.kv_dtype, self.device)
+            kv_cache = zeroed_kv_cache(self.layout.shape, self.kv_dtype, self.device,
+                                       self.config.cache.block_layout)
         elif tuple(kv_cache.shape) != self.layout.shape or kv_cache.dtype != self.kv_dtype:
             raise ValueError(f"KV cache {tuple(kv_cache.shape)} {kv_cache.dtype} does not match the "
                              f"layout {self.layout.shape} {self.kv_dtype}")
         self.kv_cache = kv_cache
         self.kv_caches = list(kv_cache.unbind(0))
-        log.info("model on %s (%s), %d KV blocks of %d tokens (%s)", self.device, self.dtype,
-                 self.num_blocks, self.block_size, self.kv_dtype)
+        log.info("model on %s (%s), %d KV blocks of %d tokens (%s, %s)", self.device, self.dtype,
+                 self.num_blocks, self.block_size, self.kv_dtype, self.config.cache.block_layout)
 
     def warm_up_kernels(self, max_model_len: int) -> None:
         """Compile the Triton kernel variants any step can need, now rather than

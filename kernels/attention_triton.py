@@ -234,7 +234,10 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, meta: At
     """Attention of query [num_tokens, num_heads, head_dim] over the paged cache.
 
     The new tokens' K/V must already be in the cache (write_kv first).
-    kv_cache is [2, num_blocks, block_size, num_kv_heads, head_dim] and dense.
+    kv_cache is [2, num_blocks, block_size, num_kv_heads, head_dim], its head_dim
+    dense and its blocks in either layout (the kernels take strides: the
+    engine's tokens-outer blocks, or heads-outer ones seen through a
+    transposed view, --kv-cache-layout HND).
     new_kv: optionally the same K/V rows [num_tokens, num_kv_heads, head_dim]
     that write_kv wrote. Prompt launches read their own tokens' tiles from
     them through tensor descriptors where the GPU has TMA (tma_rows_usable),

@@ -22,9 +22,9 @@ _FP8_MAX = tl.constexpr(FP8_E4M3_MAX)  # a jitted function reads constexpr globa
 def _write_kv_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
     stride_key_tok, stride_key_head, stride_value_tok, stride_value_head,
-    stride_cache_slot, stride_cache_head, k_scale, v_scale,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, FP8: tl.constexpr,
-    SCALED: tl.constexpr, PDL: tl.constexpr,
+    stride_cache_block, stride_cache_slot, stride_cache_head, k_scale, v_scale,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    FP8: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
     token = tl.program_id(0)
@@ -37,11 +37,28 @@ def _write_kv_kernel(
     src = token.to(tl.int64)
     k = tl.load(key_ptr + src * stride_key_tok + heads * stride_key_head + dims, mask=mask)
     v = tl.load(value_ptr + src * stride_value_tok + heads * stride_value_head + dims, mask=mask)
-    # The slot index of a large cache exceeds int32 once multiplied out: keep it int64.
-    dst = slot * stride_cache_slot + heads * stride_cache_head + dims
+    dst = cache_offset(slot, stride_cache_block, stride_cache_slot, BLOCK_SIZE) + heads * stride_cache_head + dims
     cache_dtype = key_cache_ptr.dtype.element_ty
     tl.store(key_cache_ptr + dst, as_cached(k, k_scale, cache_dtype, FP8, SCALED), mask=mask)
     tl.store(value_cache_ptr + dst, as_cached(v, v_scale, cache_dtype, FP8, SCALED), mask=mask)
+
+
+@triton.jit
+def cache_offset(slot, stride_cache_block, stride_cache_slot, BLOCK_SIZE: tl.constexpr):
+    """Where a slot's row starts in a cache of any block layout (cache_strides):
+    its block, then its place in the block. The slot (int64) of a large cache
+    exceeds int32 once multiplied out."""
+    return (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot
+
+
+def cache_strides(kv_cache: torch.Tensor) -> tuple[int, int, int]:
+    """(block, slot, head) strides of kv_cache [2, num_blocks, block_size,
+    num_kv_heads, head_dim], whatever order its blocks keep in memory: the
+    engine's tokens-outer blocks or heads-outer ones (--kv-cache-layout HND,
+    a transposed view). The last dimension must be dense."""
+    if kv_cache.stride(-1) != 1:
+        raise ValueError(f"the KV cache's head_dim must be dense (stride {kv_cache.stride(-1)})")
+    return kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3)
 
 
 @triton.jit
@@ -62,9 +79,10 @@ def write_kv_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tens
     """Store key/value [num_tokens, num_kv_heads, head_dim] at their slots
     (an FP8 cache: divided by k_scale / v_scale).
 
-    kv_cache is [2, num_blocks, block_size, num_kv_heads, head_dim]; the last
-    two dimensions of key, value and cache must be dense (stride of head_dim 1),
-    as they are for the views a fused QKV projection produces.
+    kv_cache is [2, num_blocks, block_size, num_kv_heads, head_dim], its
+    blocks in either layout (cache_strides); the last dimension of key, value
+    and cache must be dense (stride of head_dim 1), as it is for the views a
+    fused QKV projection produces.
     """
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
@@ -74,14 +92,12 @@ def write_kv_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tens
         if t.stride(2) != 1:
             raise ValueError(f"write_kv_triton: {name} must have a dense last dimension "
                              f"(stride {t.stride(2)}); pass .contiguous()")
-    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_slots, H, D]
-    key_cache, value_cache = flat[0], flat[1]
     _write_kv_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping,
+        key, value, kv_cache[0], kv_cache[1], slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), float(k_scale), float(v_scale),
+        *cache_strides(kv_cache), float(k_scale), float(v_scale),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HEADS_PAD=triton.next_power_of_2(num_kv_heads), FP8=is_fp8(kv_cache.dtype),
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads), BLOCK_SIZE=kv_cache.shape[2], FP8=is_fp8(kv_cache.dtype),
         SCALED=k_scale != 1.0 or v_scale != 1.0, **pdl_launch(key),
     )
 

@@ -21,13 +21,20 @@ def write_kv_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     divided by k_scale / v_scale, rounded and clamped (kv_cache_dtype.py);
     other caches ignore the scales.
     """
-    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
-    flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    movable(flat[0]).index_copy_(0, slot_mapping, movable(to_cache_dtype(key, kv_cache.dtype, k_scale)))
-    movable(flat[1]).index_copy_(0, slot_mapping, movable(to_cache_dtype(value, kv_cache.dtype, v_scale)))
+    key, value = to_cache_dtype(key, kv_cache.dtype, k_scale), to_cache_dtype(value, kv_cache.dtype, v_scale)
+    if kv_cache.is_contiguous():  # the engine's tokens-outer blocks: slots are rows of one flat view
+        flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
+        movable(flat[0]).index_copy_(0, slot_mapping, movable(key))
+        movable(flat[1]).index_copy_(0, slot_mapping, movable(value))
+        return
+    # Heads-outer blocks (--kv-cache-layout HND, a transposed view): by block and place in it.
+    block_size = kv_cache.shape[2]
+    blocks, places = slot_mapping // block_size, slot_mapping % block_size
+    movable(kv_cache[0]).index_put_((blocks, places), movable(key))
+    movable(kv_cache[1]).index_put_((blocks, places), movable(value))
 
 
 def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int

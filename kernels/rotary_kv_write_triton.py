@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.common_triton import pdl_launch, pdl_prologue
-from tandem.kernels.cache_write import as_cached
+from tandem.kernels.cache_write import as_cached, cache_offset, cache_strides
 from tandem.kernels.kv_cache_dtype import is_fp8
 from tandem.kernels.layer_ops_triton import cos_sin_halves, rotate_heads
 
@@ -29,9 +29,10 @@ from tandem.kernels.layer_ops_triton import cos_sin_halves, rotate_heads
 def _rotary_write_kv_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_cs_tok,
-    stride_cache_slot, stride_cache_head, k_scale, v_scale,
+    stride_cache_block, stride_cache_slot, stride_cache_head, k_scale, v_scale,
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-    HEADS_PAD: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr,
+    HEADS_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
     tok = tl.program_id(0).to(tl.int64)
@@ -46,8 +47,7 @@ def _rotary_write_kv_kernel(
     rotate_heads(q_ptr + tok * stride_q_tok + heads * stride_q_head + dd, q_mask, c1, c2, s1, s2, HALF)
     k1, k2 = rotate_heads(k_ptr + tok * stride_k_tok + heads * stride_k_head + dd, k_mask, c1, c2, s1, s2, HALF)
     if slot >= 0:  # a padding token (slot -1) writes no KV
-        # The slot index of a large cache exceeds int32 once multiplied out: keep it int64.
-        dst = slot * stride_cache_slot + heads * stride_cache_head + dd
+        dst = cache_offset(slot, stride_cache_block, stride_cache_slot, BLOCK_SIZE) + heads * stride_cache_head + dd
         cache_dtype = key_cache_ptr.dtype.element_ty
         tl.store(key_cache_ptr + dst, as_cached(k1, k_scale, cache_dtype, FP8, SCALED), mask=k_mask)
         tl.store(key_cache_ptr + dst + HALF, as_cached(k2, k_scale, cache_dtype, FP8, SCALED), mask=k_mask)
@@ -63,8 +63,9 @@ def rotary_write_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, co
                            k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq, D] and k [T, Hk, D] in place (views of a fused QKV
     output are fine; cos/sin [T, D] in q's dtype), then store k and v
-    [T, Hk, D] at their slots of kv_cache [2, num_blocks, block_size, Hk, D]
-    (an FP8 cache: divided by k_scale / v_scale). Returns (q, k)."""
+    [T, Hk, D] at their slots of kv_cache [2, num_blocks, block_size, Hk, D],
+    its blocks in either layout (cache_write.cache_strides; an FP8 cache:
+    divided by k_scale / v_scale). Returns (q, k)."""
     tokens, num_q, head_dim = q.shape
     num_k = k.shape[1]
     for name, t in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin)):
@@ -78,13 +79,12 @@ def rotary_write_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, co
     if tokens == 0:
         return q, k
     half = head_dim // 2
-    flat = kv_cache.view(2, -1, num_k, head_dim)  # [2, num_slots, H, D]
-    key_cache, value_cache = flat[0], flat[1]
     _rotary_write_kv_kernel[(tokens,)](
-        q, k, v, cos, sin, key_cache, value_cache, slot_mapping,
+        q, k, v, cos, sin, kv_cache[0], kv_cache[1], slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
-        key_cache.stride(0), key_cache.stride(1), float(k_scale), float(v_scale),
+        *cache_strides(kv_cache), float(k_scale), float(v_scale),
         NUM_Q_HEADS=num_q, NUM_K_HEADS=num_k, HALF=half, HALF_PAD=triton.next_power_of_2(half),
-        HEADS_PAD=triton.next_power_of_2(max(num_q, num_k)), FP8=is_fp8(kv_cache.dtype),
+        HEADS_PAD=triton.next_power_of_2(max(num_q, num_k)), BLOCK_SIZE=kv_cache.shape[2],
+        FP8=is_fp8(kv_cache.dtype),
         SCALED=k_scale != 1.0 or v_scale != 1.0, **pdl_launch(q))
     return q, k

@@ -223,3 +223,15 @@ def test_batch_limits_given_or_decided_on_the_cpu():
     assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (256, 2048)
     config = EngineArgs(device="cpu", max_num_seqs=7, max_num_batched_tokens=99).create_engine_config()
     assert (config.with_defaults().scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (7, 99)
+
+
+def test_heads_outer_blocks_reach_the_cache_config_and_are_refused_where_blocks_move_as_bytes():
+    assert parse().create_engine_config().cache.block_layout == "NHD"
+    assert parse("--kv-cache-layout", "HND").create_engine_config().cache.block_layout == "HND"
+    with pytest.raises(ConfigError, match="'NDH' is not one of NHD, HND"):
+        EngineArgs(kv_cache_layout="NDH").create_engine_config()
+    for kwargs, flags in (({"kv_transfer": "direct"}, "--kv-transfer"), ({"swap_space": 1.0}, "--swap-space"),
+                          ({"kv_transfer": "direct", "tensor_parallel_size": 2},
+                           "--kv-transfer, --tensor-parallel-size")):
+        with pytest.raises(ConfigError, match=f"--kv-cache-layout HND does not yet work with {flags}:"):
+            EngineArgs(kv_cache_layout="HND", **kwargs).create_engine_config()

@@ -101,6 +101,21 @@ def test_smollm2_preemption_matches_hf(smol, swap_space):
         assert stats.kv_swapped_out_blocks == 0
 
 
+def test_smollm2_heads_outer_blocks_match_hf_through_chunks_preemption_and_prefix_hits(smol):
+    """--kv-cache-layout HND: each block stored heads-outer, seen through a
+    transposed view. Small chunks, too few blocks (preemption), then the same
+    prompts again (prefix-cache hits on the blocks the first pass left)."""
+    llm = LLM("smollm2", kv_cache_layout="HND", num_blocks=41, max_num_batched_tokens=48,
+              long_prefill_token_threshold=32, admission="greedy")
+    cache = llm.engine.runner.kv_cache  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+    assert cache.stride()[3:] == (64, 16 * 64, 1), "a KV head's 16 rows of a block lie side by side"
+    check_against_oracle(run_engine(llm, smol["prompts"]), smol["refs"], exact=True)
+    assert llm.engine.stats().num_preemptions > 0, "the test must force preemption"
+    again = run_engine(llm, smol["prompts"])
+    check_against_oracle(again, smol["refs"], exact=True)
+    assert sum(o.num_cached_tokens for o in again) > 0, "the second pass must hit the prefix cache"
+
+
 def test_smollm2_asynchronous_scheduling_matches_hf_through_chunks_and_preemption(smol):
     """Each step scheduled while the last one's tokens are still in flight
     (forced on here: on the CPU it only changes the order of the work), with

@@ -305,3 +305,64 @@ print(f"decode variants ok: {checked}")
 @pytest.mark.timeout(200)
 def test_decode_grid_and_load_orders_agree_with_the_twin_over_both_block_layouts() -> None:
     assert "decode variants ok: 32" in run_interpreted_script(DECODE_VARIANTS, timeout_s=180)
+
+
+# --kv-cache-layout HND: the engine's cache is a transposed view of heads-outer
+# storage (model_runner.zeroed_kv_cache). Under the interpreter, both Triton
+# cache writes (with a padding slot) put every row where the NHD cache has it,
+# and a prompt batch (prefix and new tokens, the prompt kernel's gathers)
+# attends over it as the twin does over NHD.
+HEADS_OUTER_CACHE = r"""
+import torch
+import tandem.kernels.attention_triton as at
+from tandem.engine.model_runner import zeroed_kv_cache
+from tandem.kernels.cache_write import write_kv_triton
+from tandem.kernels.kv_cache_dtype import FP8_KV_DTYPE
+from tandem.kernels.paged_attention_torch import write_kv_torch
+from tandem.kernels.rotary_kv_write_triton import rotary_write_kv_triton
+from tandem.kernels.selfcheck import make_batch, rel_error, twin_attention
+
+gen = torch.Generator().manual_seed(0)
+checked = 0
+for cache_dtype in (torch.bfloat16, FP8_KV_DTYPE):
+    shape = (2, 6, 16, 2, 16)  # [2, blocks, block_size, kv_heads, head_dim]
+    nhd = zeroed_kv_cache(shape, cache_dtype, torch.device("cpu"))
+    hnd = zeroed_kv_cache(shape, cache_dtype, torch.device("cpu"), "HND")
+    assert hnd.shape == nhd.shape and not hnd.is_contiguous()
+    assert hnd.stride()[2:] == (16, 16 * 16, 1), hnd.stride()  # a head's rows of a block side by side
+    slots = torch.tensor([3, 17, 40, -1, 95, 64])
+    k = torch.randn(6, 2, 16, generator=gen).to(torch.bfloat16)
+    v = torch.randn(6, 2, 16, generator=gen).to(torch.bfloat16)
+    for cache in (nhd, hnd):
+        write_kv_triton(k, v, cache, slots)
+    assert torch.equal(hnd.float(), nhd.float()), "write_kv_triton"
+    twins = [zeroed_kv_cache(shape, cache_dtype, torch.device("cpu"), layout) for layout in ("NHD", "HND")]
+    for twin in twins:
+        write_kv_torch(k, v, twin, slots)
+    assert torch.equal(twins[1].float(), twins[0].float()), "write_kv_torch"
+    if cache_dtype == torch.bfloat16:  # the interpreter's FP8 conversion rounds otherwise than torch's
+        assert torch.equal(twins[0], nhd), "write_kv_triton against its twin"
+    q = torch.randn(6, 4, 16, generator=gen).to(torch.bfloat16)
+    cos, sin = torch.randn(6, 16, generator=gen).to(torch.bfloat16), torch.randn(6, 16, generator=gen).to(torch.bfloat16)
+    outs = []
+    for cache in (nhd, hnd):
+        outs.append(rotary_write_kv_triton(q.clone(), k.clone(), v, cos, sin, cache, slots))
+    assert torch.equal(hnd.float(), nhd.float()), "rotary_write_kv_triton"
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    checked += 3
+for cache_dtype in (None, FP8_KV_DTYPE):
+    b = make_batch(gen, [40, 70], [40, 23], num_kv_heads=2, group=2, head_dim=16, block_size=16,
+                   dtype=torch.bfloat16, device="cpu", cache_dtype=cache_dtype)
+    ref = twin_attention(b.query, b.kv_cache, b.meta, 0.25)
+    hnd = zeroed_kv_cache(tuple(b.kv_cache.shape), b.kv_cache.dtype, torch.device("cpu"), "HND")
+    hnd.copy_(b.kv_cache)
+    err = rel_error(at.paged_attention_triton(b.query, hnd, b.meta, 0.25), ref)
+    assert err < 2e-2, (cache_dtype, err)
+    checked += 1
+print(f"heads-outer cache ok: {checked}")
+"""
+
+
+@pytest.mark.timeout(200)
+def test_cache_writes_and_prompt_attention_take_a_heads_outer_cache() -> None:
+    assert "heads-outer cache ok: 8" in run_interpreted_script(HEADS_OUTER_CACHE, timeout_s=180)
