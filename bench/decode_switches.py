@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from typing import Optional
 
 # flag value -> DecodeConfig field
 DECODE_SWITCHES = {"heads-first": "grid_heads_first", "values-after-scores": "values_after_scores"}
@@ -56,27 +57,50 @@ def apply_decode_switches(switches: list[str], tensor_parallel_size: int = 1) ->
 PICK_MIN_BATCH = 256
 
 
-def pick_switches(report: dict, min_batch: int = PICK_MIN_BATCH) -> tuple[list[str], str]:
+# `tandem bench kernels --decode-variants`' layout names -> the engine's --kv-cache-layout
+ENGINE_LAYOUTS = {"tokens-outer": "NHD", "heads-outer": "HND"}
+
+
+# A pick must take this much less time than the defaults to be worth an
+# engine run: the kernel bench's medians move by about 1% between calls.
+PICK_MARGIN = 0.02
+
+
+def pick_switches(report: dict, layout: str = "tokens-outer", min_batch: int = PICK_MIN_BATCH,
+                  margin: float = PICK_MARGIN) -> tuple[Optional[list[str]], str]:
     """From `tandem bench kernels --decode-variants`' JSON: the switches of the
-    engine-layout variant (tokens-outer) that took the least time summed over
-    the shapes of at least min_batch sequences, and a line saying why. No
-    switches where the defaults themselves were the fastest."""
-    rows = [r for r in report.get("decode_variants", []) if r["layout"] == "tokens-outer"]
-    if not rows:
-        raise ValueError("no tokens-outer rows under decode_variants: not a --decode-variants report")
-    keep = [i for i, (batch, _) in enumerate(rows[0]["shapes"]) if batch >= min_batch]
+    variant of this block layout that took the least time summed over the
+    shapes of at least min_batch sequences, and a line saying why, against
+    the engine's defaults (tokens-outer blocks, no switch). None where that
+    variant is not at least `margin` faster than the defaults."""
+    if layout not in ENGINE_LAYOUTS:
+        raise ValueError(f"layout: one of {sorted(ENGINE_LAYOUTS)}, got {layout!r}")
+    variants = report.get("decode_variants", [])
+    default = next((r for r in variants if r["layout"] == "tokens-outer"
+                    and not r["grid_heads_first"] and not r["values_after_scores"]), None)
+    rows = [r for r in variants if r["layout"] == layout]
+    if default is None or not rows:
+        raise ValueError(f"no default or {layout} rows under decode_variants: not a --decode-variants report")
+    keep = [i for i, (batch, _) in enumerate(default["shapes"]) if batch >= min_batch]
     if not keep:
-        raise ValueError(f"no shape of at least {min_batch} sequences in {rows[0]['shapes']}")
+        raise ValueError(f"no shape of at least {min_batch} sequences in {default['shapes']}")
 
     def total_us(row: dict) -> float:
         return sum(row["us"][i] for i in keep)
 
     best = min(rows, key=total_us)
-    default = next(r for r in rows if not r["grid_heads_first"] and not r["values_after_scores"])
     switches = [flag for flag, field in DECODE_SWITCHES.items() if best[field]]
-    why = (f"over {len(keep)} shapes of >= {min_batch} sequences: {total_us(best):.0f} us "
-           f"({', '.join(switches) or 'the defaults'}) against the defaults' {total_us(default):.0f} us")
-    return switches, why
+    faster = total_us(best) < (1.0 - margin) * total_us(default)
+    why = (f"{layout} over {len(keep)} shapes of >= {min_batch} sequences: {total_us(best):.0f} us "
+           f"({', '.join(switches) or 'no switch'}) against the defaults' {total_us(default):.0f} us: "
+           + ("worth an engine run" if faster else f"not {margin:.0%} faster, no engine run"))
+    return (switches if faster else None), why
+
+
+def engine_flags(switches: list[str], layout: str) -> str:
+    """The engine bench's flags for this layout and these switches ("": the defaults)."""
+    flags = [] if layout == "tokens-outer" else [f"--kv-cache-layout {ENGINE_LAYOUTS[layout]}"]
+    return " ".join(flags + [f"--decode-kernel {s}" for s in switches])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,17 +108,23 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(
         prog="python -m tandem.bench.decode_switches",
-        description="Print the --decode-kernel flags of the fastest engine-layout variant in a "
-                    "`tandem bench kernels --decode-variants` JSON (nothing where the defaults won), "
-                    "so a script can run the engine with them; why, on standard error.")
+        description="Print the engine bench flags (--kv-cache-layout, --decode-kernel) of the fastest "
+                    "variant of one block layout in a `tandem bench kernels --decode-variants` JSON, "
+                    "so a script can run the engine with them; nothing where that variant is not "
+                    "--margin faster than the defaults; why, on standard error.")
     parser.add_argument("report", help="the --json file of `tandem bench kernels --decode-variants`")
+    parser.add_argument("--layout", choices=sorted(ENGINE_LAYOUTS), default="tokens-outer",
+                        help="the block layout whose variants compete (default tokens-outer, the "
+                             "engine's NHD; heads-outer is --kv-cache-layout HND)")
     parser.add_argument("--min-batch", type=int, default=PICK_MIN_BATCH,
                         help=f"count only shapes of at least this many sequences (default {PICK_MIN_BATCH})")
+    parser.add_argument("--margin", type=float, default=PICK_MARGIN,
+                        help=f"how much less time than the defaults a pick must take (default {PICK_MARGIN})")
     args = parser.parse_args(argv)
     with open(args.report) as f:
-        switches, why = pick_switches(json.load(f), args.min_batch)
+        switches, why = pick_switches(json.load(f), args.layout, args.min_batch, args.margin)
     print(why, file=sys.stderr)
-    print(" ".join(f"--decode-kernel {s}" for s in switches))
+    print("" if switches is None else engine_flags(switches, args.layout))
     return 0
 
 

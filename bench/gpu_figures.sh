@@ -4,7 +4,7 @@
 # image has them; see ../shared/device/README.md). OUT: where JSON results go.
 # Usage: bash bench/gpu_figures.sh [kernels|tests|latency|mixed|throughput|tp|tp-tests|kv|warmup|
 #                                   fp8-vs-bf16|offline|moe|prefill|spec|admission|decode-variants|
-#                                   decode-ab|offline-ab]...
+#                                   decode-ab|offline-sides]...
 # kernels: the decode sweep (fused vs two-launch reduce, tiles, splits per SM) on
 # SWEEP_SHAPES (set it empty to skip the sweep), then the whole decode table with
 # the defaults.
@@ -25,16 +25,15 @@ cp protos/tandem/v1/__init__.py /tmp/pkg/tandem/v1/
 export PYTHONPATH=/tmp/pkg:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-# Issue 20's offline workload over an FP8 KV cache, the defaults (side a) against the flags $1
-# (side b), one process each, in the order $2 (ab or ba).
-offline_ab() {
-  local side flags
-  for side in $(echo "$2" | fold -w1); do
-    flags=""; [[ $side == b ]] && flags=$1
-    echo "offline, side $side: ${flags:-the defaults}"
+# Issue 20's offline workload over an FP8 KV cache, one process a side, in the order given:
+# each argument NAME=FLAGS (nothing after "=": the defaults).
+offline_sides() {
+  local side
+  for side in "$@"; do
+    echo "offline, side ${side%%=*}: ${side#*=}"
     timeout 120 python -m tandem.bench.throughput --preset llama-3-8b --num-prompts 1000 --input-len 128 1024 \
-      --output-len 256 --no-hf --step-breakdown --kv-cache-dtype fp8 $flags \
-      --output-json "$OUT/throughput_llama3_8b_kvfp8_$side.json" 2>&1 | grep -v "^a step took" | tail -12
+      --output-len 256 --no-hf --step-breakdown --kv-cache-dtype fp8 ${side#*=} \
+      --output-json "$OUT/throughput_llama3_8b_kvfp8_${side%%=*}.json" 2>&1 | grep -v "^a step took" | tail -12
   done
 }
 for what in "${@:-tests latency throughput}"; do
@@ -114,17 +113,29 @@ for what in "${@:-tests latency throughput}"; do
           --json "$OUT/decode_variants_$kv.json" 2>&1 | grep -v Warning | tail -14
       done ;;
     decode-ab)  # one lease: the decode variants over an FP8 cache at the offline workload's decode shapes,
-      # then that workload over an FP8 cache with the defaults and with the fastest variant's switches
-      # (bench/decode_switches.py picks them; none: the defaults won, no A/B). The other order on the
-      # next call: AB_FLAGS="<the switches printed>" AB_ORDER=ba bash bench/gpu_figures.sh offline-ab
+      # then that workload over an FP8 cache with the defaults (side a), the fastest switches over the
+      # engine's blocks (b) and over heads-outer blocks, --kv-cache-layout HND (c); b and c only where
+      # bench/decode_switches.py finds them 2% faster than the defaults in the kernel bench.
+      # The other order on the next call: SIDES="c=<its flags>;a=" bash bench/gpu_figures.sh offline-sides
+      rm -f "$OUT/decode_variants_fp8.json"
       timeout 200 python -m tandem.bench.kernels --skip-prefill --batches 1 --contexts 512 --kv-cache-dtype fp8 \
         --decode-variants --sweep-shapes 64x704,256x704,512x704,800x704 \
         --json "$OUT/decode_variants_fp8.json" 2>&1 | grep -v Warning | tail -12
-      AB_FLAGS=$(python -m tandem.bench.decode_switches "$OUT/decode_variants_fp8.json") || AB_FLAGS=""
-      echo "decode switches picked: ${AB_FLAGS:-none (the defaults)}"
-      if [[ -n $AB_FLAGS ]]; then offline_ab "$AB_FLAGS" ab; fi ;;
-    offline-ab)  # the A/B above alone: AB_FLAGS (side b's flags), AB_ORDER (ab or ba, default ab)
-      offline_ab "${AB_FLAGS:?AB_FLAGS: the flags of side b}" "${AB_ORDER:-ab}" ;;
+      if [[ -f $OUT/decode_variants_fp8.json ]]; then
+        sides=("a=")
+        for layout in tokens-outer heads-outer; do
+          flags=$(python -m tandem.bench.decode_switches "$OUT/decode_variants_fp8.json" --layout $layout)
+          [[ -n $flags ]] && sides+=("$([[ $layout == tokens-outer ]] && echo b || echo c)=$flags")
+        done
+        if (( ${#sides[@]} > 1 )); then
+          echo "sides: $(IFS=';'; echo "${sides[*]}")"
+          offline_sides "${sides[@]}"
+        fi
+      fi ;;
+    offline-sides)  # the offline workload over an FP8 cache, one process a side of SIDES, NAME=FLAGS
+      # separated by ";", e.g. SIDES="b=--decode-kernel heads-first;a="
+      IFS=';' read -ra sides <<< "${SIDES:?SIDES: NAME=FLAGS for each side, separated by ;}"
+      offline_sides "${sides[@]}" ;;
     admission)  # --admission reserve (the default) against greedy in one lease: the offline workload
       # of Llama-3-8B, then 500 prompts of Qwen3-30B-A3B (both dummy bf16), whose caches on an 80 GB
       # GPU hold fewer tokens than 1,024 requests reach (BENCH_ARGS: more flags for all four, e.g.
