@@ -88,6 +88,31 @@ def test_fp8_kv_cache_kernels_give_the_twins_greedy_tokens(tmp_path, mode):
     assert not differ and drift < 0.5
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_heads_outer_blocks_give_the_same_tokens_through_the_kernels(tmp_path, kv_cache_dtype):
+    """--kv-cache-layout HND against NHD on the Triton kernels (writes, decode
+    and prompt attention, CUDA graphs and piecewise graphs: a 64-token budget):
+    the same arithmetic over other addresses, so the same tokens and logprobs."""
+    from tandem.engine import LLM, SamplingParams
+
+    if kv_cache_dtype == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("an FP8 KV cache needs compute capability 8.9+")
+    path, _ = tiny_model_dir(tmp_path, "llama")
+    ps = prompts()
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=1, ignore_eos=True)
+    runs = {}
+    for layout in ("NHD", "HND"):
+        llm = LLM(path, device="cuda", dtype="float32", kv_cache_dtype=kv_cache_dtype, kv_cache_layout=layout,
+                  num_blocks=1024, max_num_batched_tokens=64)
+        assert llm.engine.runner.kv_cache.is_contiguous() == (layout == "NHD")
+        runs[layout] = [o.outputs[0] for o in llm.generate(ps, params)]
+        assert llm.engine.runner.piecewise.replays > 0
+        llm.shutdown()
+    for a, b in zip(runs["NHD"], runs["HND"]):
+        assert a.token_ids == b.token_ids
+        assert [lp.logprob for lp in b.logprobs] == pytest.approx([lp.logprob for lp in a.logprobs], abs=1e-5)
+
+
 def hf_greedy_cuda(hf, prompt, n):
     # hf_greedy builds CPU tensors; move them for a CUDA model
     from tests.support.hf_oracle import OracleRun
