@@ -11,6 +11,12 @@ The engine reads attention_triton.DEFAULT_CONFIG at each call (no config is
 passed down from the engine), so replacing it before the engine starts is
 what a changed default would do. A tensor-parallel engine's other ranks run
 in processes of their own that never see the replacement: refused there.
+
+`python -m tandem.bench.decode_switches REPORT --layout L` reads a
+`--decode-variants` report and prints the engine flags of the fastest
+variant of block layout L (with `--kv-cache-layout HND` for heads-outer),
+or nothing where it is not clearly faster than the defaults:
+`bash bench/gpu_figures.sh decode-ab` runs the engine with what it prints.
 """
 from __future__ import annotations
 
@@ -62,7 +68,9 @@ ENGINE_LAYOUTS = {"tokens-outer": "NHD", "heads-outer": "HND"}
 
 
 # A pick must take this much less time than the defaults to be worth an
-# engine run: the kernel bench's medians move by about 1% between calls.
+# engine run: the same kernel's rate differed by up to 1.5% between two
+# calls of one lease (prefill, 520 against 528 TFLOP/s; docs/benchmarks.md,
+# the thirty-fourth session).
 PICK_MARGIN = 0.02
 
 

@@ -343,7 +343,7 @@ for cache_dtype in (torch.bfloat16, FP8_KV_DTYPE):
     if cache_dtype == torch.bfloat16:  # the interpreter's FP8 conversion rounds otherwise than torch's
         assert torch.equal(twins[0], nhd), "write_kv_triton against its twin"
     q = torch.randn(6, 4, 16, generator=gen).to(torch.bfloat16)
-    cos, sin = torch.randn(6, 16, generator=gen).to(torch.bfloat16), torch.randn(6, 16, generator=gen).to(torch.bfloat16)
+    cos, sin = (torch.randn(6, 16, generator=gen).to(torch.bfloat16) for _ in range(2))
     outs = []
     for cache in (nhd, hnd):
         outs.append(rotary_write_kv_triton(q.clone(), k.clone(), v, cos, sin, cache, slots))
