@@ -69,7 +69,7 @@ ENGINE_LAYOUTS = {"tokens-outer": "NHD", "heads-outer": "HND"}
 
 # A pick must take this much less time than the defaults to be worth an
 # engine run: the same kernel's rate differed by up to 1.5% between two
-# calls of one lease (prefill, 520 against 528 TFLOP/s; docs/benchmarks.md,
+# calls on two leases (prefill, 520 against 528 TFLOP/s; docs/benchmarks.md,
 # the thirty-fourth session).
 PICK_MARGIN = 0.02
 
