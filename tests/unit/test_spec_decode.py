@@ -174,6 +174,21 @@ def test_smollm2_drafting_for_itself_accepts_nearly_everything(workload):
     assert_all_blocks_back(llm)
 
 
+def test_heads_outer_blocks_under_a_draft_model_answer_the_same(workload):
+    """--kv-cache-layout HND under speculation: the verifying steps write and
+    read the target's heads-outer cache, and the draft's cache is heads-outer too."""
+    prompts, params, refs = workload
+    llm = LLM(kv_cache_layout="HND", speculative_config={"method": "draft_model", "model": "smollm2",
+                                                         "num_speculative_tokens": 4, "adaptive": False})
+    assert not llm.engine.runner.kv_cache.is_contiguous()
+    assert not llm.engine.speculator.proposer.runner.kv_cache.is_contiguous()
+    outputs = llm.generate(prompts, params)
+    assert_same_output(outputs, refs)
+    drafts, draft_tokens, accepted, emitted = spec_counters(llm)
+    assert accepted >= 0.9 * draft_tokens > 0
+    assert_all_blocks_back(llm)
+
+
 @pytest.fixture(scope="module")
 def random_draft(tmp_path_factory):
     path, _ = tiny_model_dir(tmp_path_factory.mktemp("draft"), "llama", vocab_size=49152)
