@@ -4,7 +4,7 @@
 # image has them; see ../shared/device/README.md). OUT: where JSON results go.
 # Usage: bash bench/gpu_figures.sh [kernels|tests|latency|mixed|throughput|tp|tp-tests|kv|warmup|
 #                                   fp8-vs-bf16|offline|moe|prefill|spec|admission|decode-variants|
-#                                   decode-ab|offline-sides]...
+#                                   decode-ab|offline-sides|decode-profile]...
 # kernels: the decode sweep (fused vs two-launch reduce, tiles, splits per SM) on
 # SWEEP_SHAPES (set it empty to skip the sweep), then the whole decode table with
 # the defaults.
@@ -135,6 +135,12 @@ for what in "${@:-tests latency throughput}"; do
           offline_sides "${sides[@]}"
         fi
       fi ;;
+    decode-profile)  # where a decode step of the offline workload's shapes spends its time: Llama-3-8B
+      # over an FP8 cache at 512 and 800 sequences of 704 tokens, the top kernels by GPU time a step
+      # (PROFILE_FLAGS: more flags, e.g. "--decode-kernel heads-first" or "--kv-cache-layout HND")
+      timeout 240 python -m tandem.bench.latency --preset llama-3-8b --batch-sizes 512,800 --context 704 \
+        --kv-cache-dtype fp8 --steps 12 --kernel-profile 14 ${PROFILE_FLAGS:-} \
+        --output-json "$OUT/latency_llama3_8b_kvfp8_704.json" 2>&1 | grep -v "^a step took" | tail -45 ;;
     offline-sides)  # the offline workload over an FP8 cache, one process a side of SIDES, NAME=FLAGS
       # separated by ";", e.g. SIDES="b=--decode-kernel heads-first;a="
       IFS=';' read -ra sides <<< "${SIDES:?SIDES: NAME=FLAGS for each side, separated by ;}"
