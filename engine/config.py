@@ -307,8 +307,9 @@ class EngineArgs:
         "by side (the default); HND, one KV head's rows of the block side by side, so a decode "
         "program reading that head reads one piece of memory a block. Outputs are the same either "
         "way; which reads faster is for `tandem bench kernels --decode-variants` to say on a GPU "
-        "(docs/kernels.md). HND does not yet work with --kv-transfer, --swap-space or "
-        "--tensor-parallel-size above 1", group=_CACHE)
+        "(docs/kernels.md). The store connector and --swap-space move blocks in NHD's order either way, "
+        "so engines of both layouts share a store; HND does not yet work with --kv-transfer direct "
+        "or nixl, or --tensor-parallel-size above 1", group=_CACHE)
 
     # --- scheduler
     max_num_batched_tokens: Optional[int] = flag_field(
@@ -547,14 +548,17 @@ class EngineArgs:
         if self.swap_space < 0:
             raise ConfigError(f"--swap-space: GiB of host memory, 0 (off) or more; got {self.swap_space}")
         if self.kv_cache_layout == "HND":
-            # The connectors and the host tier move blocks as bytes, and a peer
-            # of the other layout would read them transposed; tensor-parallel
-            # ranks share one view of the blocks: all of them assume NHD.
-            other = [flag for flag, on in (("--kv-transfer", self.kv_transfer not in ("none", None)),
-                                           ("--swap-space", self.swap_space > 0),
-                                           ("--tensor-parallel-size", self.tensor_parallel_size > 1)) if on]
+            # The store connector and the host tier copy blocks by indexing the
+            # cache, so they move them in NHD's order whatever the storage, and
+            # engines of either layout share them. The direct and NIXL transfers
+            # hand a peer the cache's memory itself, which a peer of the other
+            # layout would read transposed, and tensor-parallel ranks allocate
+            # theirs as NHD: not yet.
+            other = [flag for flag, on in (
+                (f"--kv-transfer {self.kv_transfer}", self.kv_transfer in ("direct", "nixl")),
+                ("--tensor-parallel-size above 1", self.tensor_parallel_size > 1)) if on]
             if other:
-                raise ConfigError(f"--kv-cache-layout HND does not yet work with {', '.join(other)}: "
+                raise ConfigError(f"--kv-cache-layout HND does not yet work with {' or '.join(other)}: "
                                   "use the default NHD there")
         if self.attention_backend == "triton" and self.device == "cpu":
             raise ConfigError("--attention-backend triton needs CUDA, and --device is cpu: use "

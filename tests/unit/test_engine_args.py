@@ -230,8 +230,13 @@ def test_heads_outer_blocks_reach_the_cache_config_and_are_refused_where_blocks_
     assert parse("--kv-cache-layout", "HND").create_engine_config().cache.block_layout == "HND"
     with pytest.raises(ConfigError, match="'NDH' is not one of NHD, HND"):
         EngineArgs(kv_cache_layout="NDH").create_engine_config()
-    for kwargs, flags in (({"kv_transfer": "direct"}, "--kv-transfer"), ({"swap_space": 1.0}, "--swap-space"),
-                          ({"kv_transfer": "direct", "tensor_parallel_size": 2},
-                           "--kv-transfer, --tensor-parallel-size")):
+    for kwargs, flags in (({"kv_transfer": "direct"}, "--kv-transfer direct"),
+                          ({"kv_transfer": "nixl"}, "--kv-transfer nixl"),
+                          ({"kv_transfer": "nixl", "tensor_parallel_size": 2},
+                           "--kv-transfer nixl or --tensor-parallel-size above 1")):
         with pytest.raises(ConfigError, match=f"--kv-cache-layout HND does not yet work with {flags}:"):
             EngineArgs(kv_cache_layout="HND", **kwargs).create_engine_config()
+    # the store connector and the host tier index the cache: either layout
+    config = EngineArgs(kv_cache_layout="HND", kv_transfer="store", kv_store="h:1",
+                        swap_space=1.0).create_engine_config()
+    assert (config.cache.block_layout, config.kv_transfer, config.cache.swap_space_gib) == ("HND", "store", 1.0)

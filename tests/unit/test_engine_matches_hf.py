@@ -101,16 +101,18 @@ def test_smollm2_preemption_matches_hf(smol, swap_space):
         assert stats.kv_swapped_out_blocks == 0
 
 
-def test_smollm2_heads_outer_blocks_match_hf_through_chunks_preemption_and_prefix_hits(smol):
+def test_smollm2_heads_outer_blocks_match_hf_through_chunks_swaps_and_prefix_hits(smol):
     """--kv-cache-layout HND: each block stored heads-outer, seen through a
-    transposed view. Small chunks, too few blocks (preemption), then the same
-    prompts again (prefix-cache hits on the blocks the first pass left)."""
+    transposed view. Small chunks, too few blocks (preempted requests swap to
+    the host tier and back), then the same prompts again (prefix-cache hits
+    on the blocks the first pass left)."""
     llm = LLM("smollm2", kv_cache_layout="HND", num_blocks=41, max_num_batched_tokens=48,
-              long_prefill_token_threshold=32, admission="greedy")
+              long_prefill_token_threshold=32, admission="greedy", swap_space=200 * SMOL_BLOCK_GIB)
     cache = llm.engine.runner.kv_cache  # [layers, 2, blocks, block_size, kv_heads, head_dim]
     assert cache.stride()[3:] == (64, 16 * 64, 1), "a KV head's 16 rows of a block lie side by side"
     check_against_oracle(run_engine(llm, smol["prompts"]), smol["refs"], exact=True)
-    assert llm.engine.stats().num_preemptions > 0, "the test must force preemption"
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0 and stats.kv_swapped_in_blocks > 0, "the test must force swapping"
     again = run_engine(llm, smol["prompts"])
     check_against_oracle(again, smol["refs"], exact=True)
     assert sum(o.num_cached_tokens for o in again) > 0, "the second pass must hit the prefix cache"
@@ -221,6 +223,24 @@ def test_smollm2_tiers_go_device_then_host_then_the_kv_store(smol, kv_store):
     stats = fresh.engine.stats()
     assert stats.prompt_tokens_external == full_blocks * 16 and stats.kv_host_hit_blocks == 0
     fresh.engine.shutdown()
+
+
+def test_smollm2_engines_of_both_block_layouts_share_blocks_through_the_kv_store(smol, kv_store):
+    """The store connector copies blocks by indexing the cache, so what a
+    heads-outer engine saves a tokens-outer one loads, and back."""
+    tok = smol["tokenizer"]
+    for i, (saver_layout, loader_layout) in enumerate((("HND", "NHD"), ("NHD", "HND"))):
+        prompt = tok(f"Layouts {i}. " + TEXT)["input_ids"][:100]  # a prefix no other test stored
+        full_blocks = len(prompt) // 16
+        ref = hf_greedy(smol["hf"], prompt, 8, eos_token_id=None)
+        saver = store_backed(kv_store, kv_cache_layout=saver_layout)
+        check_against_oracle(run_engine(saver, [prompt], 8), [ref], exact=True)
+        assert saver.engine.stats().kv_save_blocks >= full_blocks
+        saver.engine.shutdown()
+        loader = store_backed(kv_store, kv_cache_layout=loader_layout)
+        check_against_oracle(run_engine(loader, [prompt], 8), [ref], exact=True)
+        assert loader.engine.stats().prompt_tokens_external == full_blocks * 16, (saver_layout, loader_layout)
+        loader.engine.shutdown()
 
 
 def test_smollm2_shared_prefix_hits_cache_and_matches_hf(smol):
