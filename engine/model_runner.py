@@ -211,7 +211,7 @@ class ModelRunner:
                              f"layout {self.layout.shape} {self.kv_dtype}")
         self.kv_cache = kv_cache
         self.kv_caches = list(kv_cache.unbind(0))
-        log.info("model on %s (%s), %d KV blocks of %d tokens (%s, %s)", self.device, self.dtype,
+        log.info("model on %s (%s), %d KV blocks of %d tokens (%s), %s layout", self.device, self.dtype,
                  self.num_blocks, self.block_size, self.kv_dtype, self.config.cache.block_layout)
 
     def warm_up_kernels(self, max_model_len: int) -> None:

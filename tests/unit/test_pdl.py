@@ -84,9 +84,11 @@ def test_the_prologue_is_grid_dependency_control_on_hopper_and_nothing_without()
     signature = {name: "*bf16" for name in ("key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr")}
     signature["slot_mapping_ptr"] = "*i64"
     signature.update({name: "i32" for name in ("stride_key_tok", "stride_key_head", "stride_value_tok",
-                                                "stride_value_head", "stride_cache_slot", "stride_cache_head")})
+                                                "stride_value_head", "stride_cache_block", "stride_cache_slot",
+                                                "stride_cache_head")})
     signature.update({"k_scale": "fp32", "v_scale": "fp32"})
-    constexprs = {"NUM_KV_HEADS": 8, "HEAD_DIM": 128, "HEADS_PAD": 8, "FP8": False, "SCALED": False}
+    constexprs = {"NUM_KV_HEADS": 8, "HEAD_DIM": 128, "HEADS_PAD": 8, "BLOCK_SIZE": 16, "FP8": False,
+                  "SCALED": False}
     signature.update({name: "constexpr" for name in (*constexprs, "PDL")})
     for pdl in (False, True):
         source = ASTSource(fn=_write_kv_kernel, signature=signature, constexprs={**constexprs, "PDL": pdl})
