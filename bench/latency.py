@@ -39,9 +39,9 @@ import sys
 import tempfile
 import time
 
+from tandem.bench.decode_switches import add_decode_switch_flag, apply_decode_switches
 from tandem.bench.gpu_clocks import ClockSampler
 from tandem.bench.step_gaps import measure_step_gaps
-from tandem.bench.decode_switches import add_decode_switch_flag, apply_decode_switches
 from tandem.engine.config import KV_TRANSFER_FIELDS, EngineArgs
 
 

@@ -14,8 +14,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Optional
 
-from tandem.bench.gpu_clocks import ClockSampler
 from tandem.bench.decode_switches import add_decode_switch_flag, apply_decode_switches
+from tandem.bench.gpu_clocks import ClockSampler
 from tandem.engine.config import KV_TRANSFER_FIELDS, EngineArgs
 
 if TYPE_CHECKING:
