@@ -257,7 +257,9 @@ def check_fp8_write_range(gen: torch.Generator, dtype: torch.dtype, device: str)
     """The FP8 write over values from 1e-3 to 1e3 (rounding in every binade,
     e4m3's subnormals, saturation past 448) in the model's dtype, with a scale
     of one and with a checkpoint's scales (keys' and values' apart, not powers
-    of two): the same bytes as the twin's (write_mismatch)."""
+    of two): the same bytes as the twin's (write_mismatch), into the engine's
+    tokens-outer blocks and into heads-outer ones (--kv-cache-layout HND: a
+    transposed view of [2, blocks, heads, block_size, head_dim])."""
     from tandem.kernels.cache_write import write_kv_triton
 
     n, heads, head_dim, block_size = 512, 2, 64, 16
@@ -266,14 +268,15 @@ def check_fp8_write_range(gen: torch.Generator, dtype: torch.dtype, device: str)
     key, value = ((torch.randn(n, heads, head_dim, generator=dev_gen, device=device) * magnitude).to(dtype)
                   for _ in range(2))
     slots = torch.randperm(n, generator=dev_gen, device=device)
-    for k_scale, v_scale in ((1.0, 1.0), (0.37, 2.9)):
-        cache = torch.zeros(2, n // block_size, block_size, heads, head_dim, device=device, dtype=FP8_KV_DTYPE)
-        ref = cache.clone()
+    for (k_scale, v_scale), layout in itertools.product(((1.0, 1.0), (0.37, 2.9)), ("NHD", "HND")):
+        ref = torch.zeros(2, n // block_size, block_size, heads, head_dim, device=device, dtype=FP8_KV_DTYPE)
+        cache = (ref.clone() if layout == "NHD" else torch.zeros(
+            2, n // block_size, heads, block_size, head_dim, device=device, dtype=FP8_KV_DTYPE).transpose(2, 3))
         write_kv_triton(key, value, cache, slots, k_scale, v_scale)
         write_kv_torch(key, value, ref, slots, k_scale, v_scale)
         why = write_mismatch(cache, ref)
         if why:
-            return False, 0.0, f"FP8 write over 1e-3..1e3, scales {k_scale} / {v_scale}: {why}"
+            return False, 0.0, f"FP8 write over 1e-3..1e3 ({layout} blocks), scales {k_scale} / {v_scale}: {why}"
     return True, 0.0, ""
 
 
