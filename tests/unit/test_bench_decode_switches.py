@@ -10,6 +10,7 @@ import pytest
 from tandem.bench.decode_switches import apply_decode_switches, engine_flags, main, pick_switches
 from tandem.bench.kernels import Ceilings, DecodeVariantRow, Report
 from tandem.kernels import attention_triton
+from tandem.kernels.kv_cache_dtype import FP8_KV_DTYPE
 
 SHAPES = [(64, 704), (256, 704), (800, 704)]
 
@@ -98,7 +99,7 @@ def test_switches_replace_the_kernels_default_config(monkeypatch) -> None:
     assert decode.block_n == before.decode.block_n  # the rest as it was
     assert attention_triton.DEFAULT_CONFIG.long_prefill == before.long_prefill
     # an FP8 cache's tiles keep the switch
-    fp8 = attention_triton.decode_tiles(decode, torch_fp8())
+    fp8 = attention_triton.decode_tiles(decode, FP8_KV_DTYPE)
     assert fp8.values_after_scores and fp8.block_n == decode.fp8_block_n
 
 
@@ -126,9 +127,3 @@ def test_the_benches_take_the_flag() -> None:
         assert args.decode_kernel == ["heads-first", "values-after-scores"]
         with pytest.raises(SystemExit):
             parser.parse_args([name, "--decode-kernel", "sideways"])
-
-
-def torch_fp8():
-    from tandem.kernels.kv_cache_dtype import FP8_KV_DTYPE
-
-    return FP8_KV_DTYPE
