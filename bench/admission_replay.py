@@ -9,8 +9,9 @@ The workload is `tandem bench throughput`'s (the same lengths for the same
 token, as tests/unit/test_scheduler.py drives the scheduler. It prints, per
 policy, the steps (decode-only, and those with prompt chunks), the tokens
 computed and how many of them were computed again after a preemption, the
-mean batch of the decode-only steps, and the preemptions and deferrals;
-reserve once for each --admission-overcommit given (default the engine's). No
+mean batch of the decode-only steps, the preemptions, the deferrals and the
+admissions past the projection as a short tail; reserve once for each
+--admission-overcommit and --admission-tail given (default the engine's). No
 time: how long each would take depends on the GPU (docs/benchmarks.md times
 the engine); this says what work each policy asks of it, on any machine.
 """
@@ -22,7 +23,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from tandem.engine.admission import DEFAULT_OVERCOMMIT
+from tandem.engine.admission import DEFAULT_OVERCOMMIT, DEFAULT_TAIL
 from tandem.engine.config import AdmissionPolicy, SchedulerConfig
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.request import Request, SamplingParams
@@ -37,6 +38,7 @@ STAND_IN_TOKEN = 5
 class ReplayResult:
     admission: str
     overcommit: Optional[float]  # reserve's; None for greedy
+    tail: Optional[float]  # reserve's --admission-tail; None for greedy
     steps: int
     decode_steps: int  # steps without a prompt chunk
     tokens_computed: int
@@ -45,14 +47,16 @@ class ReplayResult:
     mean_decode_batch: float
     preemptions: int
     admissions_deferred: int
+    admissions_tail: int
 
 
 def replay(prompt_lens: list[int], output_lens: list[int], kv_tokens: int, admission: AdmissionPolicy,
            max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int = 8192,
-           overcommit: float = DEFAULT_OVERCOMMIT) -> ReplayResult:
+           overcommit: float = DEFAULT_OVERCOMMIT, tail: float = DEFAULT_TAIL) -> ReplayResult:
     num_blocks = kv_tokens // BLOCK_SIZE + 1  # block 0 is reserved
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                      admission=admission, admission_overcommit=overcommit),
+                                      admission=admission, admission_overcommit=overcommit,
+                                      admission_tail=tail),
                       KVCacheManager(num_blocks, BLOCK_SIZE), max_model_len=max_model_len)
     for i, (n_in, n_out) in enumerate(zip(prompt_lens, output_lens)):
         # Distinct token ids per request: no prompt shares a block with another.
@@ -73,10 +77,12 @@ def replay(prompt_lens: list[int], output_lens: list[int], kv_tokens: int, admis
         if steps > 1_000_000:
             raise RuntimeError("the replay does not finish: the cache is too small for a request")
     once = sum(prompt_lens) + sum(n - 1 for n in output_lens)  # the last token is sampled, never computed
-    return ReplayResult(admission, overcommit if admission == "reserve" else None, steps, decode_steps,
+    reserve = admission == "reserve"
+    return ReplayResult(admission, overcommit if reserve else None, tail if reserve else None, steps, decode_steps,
                         computed, computed - once, decode_tokens,
                         decode_tokens / decode_steps if decode_steps else 0.0,
-                        sched.stats.num_preemptions, sched.stats.num_admissions_deferred)
+                        sched.stats.num_preemptions, sched.stats.num_admissions_deferred,
+                        sched.stats.num_admissions_tail)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -95,6 +101,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admission-overcommit", action="append", type=float, default=None, metavar="SHARE",
                    help="reserve's overcommit, as the engine's flag (repeat to replay reserve with each; "
                         f"default {DEFAULT_OVERCOMMIT})")
+    p.add_argument("--admission-tail", action="append", type=float, default=None, metavar="SHARE",
+                   help="reserve's short-tail share, as the engine's flag (repeat to replay reserve with each; "
+                        f"default {DEFAULT_TAIL})")
     p.add_argument("--output-json", default=None)
 
 
@@ -117,17 +126,20 @@ def run(args: argparse.Namespace) -> int:
           f"KV cache {args.kv_tokens} tokens, max_num_seqs {args.max_num_seqs}, "
           f"{args.max_num_batched_tokens} tokens a step", file=sys.stderr)
     overcommits = args.admission_overcommit or [DEFAULT_OVERCOMMIT]
+    tails = args.admission_tail or [DEFAULT_TAIL]
     results = [replay(prompt_lens, output_lens, args.kv_tokens, a, args.max_num_seqs, args.max_num_batched_tokens,
-                      overcommit=oc)
+                      overcommit=oc, tail=t)
                for a in (args.admission or ["reserve", "greedy"])
-               for oc in (overcommits if a == "reserve" else [0.0])]
-    print(f"{'admission':<14} {'steps':>6} {'decode':>7} {'computed':>10} {'recomputed':>11} "
-          f"{'decode batch':>13} {'preemptions':>12} {'deferred':>9}")
+               for oc in (overcommits if a == "reserve" else [0.0])
+               for t in (tails if a == "reserve" else [0.0])]
+    print("reserve's rows: overcommit / tail share", file=sys.stderr)
+    print(f"{'admission':<16} {'steps':>6} {'decode':>7} {'computed':>10} {'recomputed':>11} "
+          f"{'decode batch':>13} {'preemptions':>12} {'deferred':>9} {'tail':>6}")
     for r in results:
-        label = r.admission if r.overcommit is None else f"{r.admission} {r.overcommit:g}"
-        print(f"{label:<14} {r.steps:>6} {r.decode_steps:>7} {r.tokens_computed:>10} "
+        label = r.admission if r.overcommit is None else f"{r.admission} {r.overcommit:g} / {r.tail:g}"
+        print(f"{label:<16} {r.steps:>6} {r.decode_steps:>7} {r.tokens_computed:>10} "
               f"{r.tokens_recomputed:>11} {r.mean_decode_batch:>13.1f} {r.preemptions:>12} "
-              f"{r.admissions_deferred:>9}")
+              f"{r.admissions_deferred:>9} {r.admissions_tail:>6}")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"args": vars(args), "results": [asdict(r) for r in results]}, f, indent=2)

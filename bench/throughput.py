@@ -224,7 +224,8 @@ def run(args: argparse.Namespace) -> int:
           f"{engine['kv_blocks']} KV blocks ({engine['kv_tokens']} tokens), {engine['preemptions']} preemptions, "
           f"admission {engine['admission']}"
           + (f", overcommit {engine['admission_overcommit']:g}" if engine["admission_overcommit"] else "")
-          + f" ({engine['admissions_deferred']} deferred)", file=sys.stderr)
+          + f", tail {engine['admission_tail']:g} ({engine['admissions_deferred']} deferred, "
+          f"{engine['admissions_tail']} admitted as a tail)", file=sys.stderr)
     if not args.no_hf:
         print("running the HF transformers baseline ...", file=sys.stderr)
         results.append(run_hf(args, prompts, output_lens, llm))
@@ -286,8 +287,8 @@ def _engine_report(llm) -> dict:
     return {"max_num_seqs": scheduler.max_num_seqs, "max_num_batched_tokens": scheduler.max_num_batched_tokens,
             "kv_blocks": blocks, "kv_tokens": blocks * engine.config.cache.block_size,
             "preemptions": stats.num_preemptions, "admission": scheduler.admission,
-            "admission_overcommit": scheduler.admission_overcommit,
-            "admissions_deferred": stats.num_admissions_deferred}
+            "admission_overcommit": scheduler.admission_overcommit, "admission_tail": scheduler.admission_tail,
+            "admissions_deferred": stats.num_admissions_deferred, "admissions_tail": stats.num_admissions_tail}
 
 
 def _roofline(llm, result: ThroughputResult):

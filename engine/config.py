@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from tandem.engine.admission import DEFAULT_OVERCOMMIT, MIN_SAMPLES, PRIOR_TOKENS, WINDOW
+from tandem.engine.admission import DEFAULT_OVERCOMMIT, DEFAULT_TAIL, MIN_SAMPLES, PRIOR_TOKENS, WINDOW
 from tandem.engine.flags import (add_dataclass_flags, flag_field, flag_specs, from_namespace,
                                  internal_field, to_cli_args)
 from tandem.engine.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
@@ -118,6 +118,9 @@ class SchedulerConfig:
     # Under "reserve", how far the projection may exceed the cache, as a share
     # of it (admission.py, DEFAULT_OVERCOMMIT).
     admission_overcommit: float = DEFAULT_OVERCOMMIT
+    # Under "reserve", the share of the cache past the projection a short tail
+    # of waiting requests may take (admission.py, DEFAULT_TAIL); 0: none.
+    admission_tail: float = DEFAULT_TAIL
     staging_queue_size: int = 8  # two-level SRTF (thesis 4.5.3)
     # Prefill chunks are at most this long (0: only the token budget limits them).
     long_prefill_token_threshold: int = 0
@@ -337,6 +340,12 @@ class EngineArgs:
         "blocks may exceed it (the estimate is a mean, and a small overshoot costs a few preemptions "
         "where waiting can leave the last requests of a burst running in small batches); 0: never",
         group=_SCHEDULER)
+    admission_tail: float = flag_field(
+        DEFAULT_TAIL, "with --admission reserve: where the projection turns a request away but "
+        "every request still waiting would fit in this share of the cache at its expected end, "
+        "admit them up to that much past it: held back, a short tail decodes alone once the rest "
+        "finish (each of its steps reading all the weights), where a longer queue fills batches of "
+        "its own; 0: never", group=_SCHEDULER, metavar="SHARE")
     staging_queue_size: int = flag_field(
         8, "with --policy srtf: requests moved from the waiting queue, in arrival order, into the "
         "small queue SRTF picks from (refilled once empty)", group=_SCHEDULER)
@@ -486,6 +495,7 @@ class EngineArgs:
                                       max_num_seqs=self.max_num_seqs, policy=self.policy,
                                       admission=self.admission,
                                       admission_overcommit=self.admission_overcommit,
+                                      admission_tail=self.admission_tail,
                                       staging_queue_size=self.staging_queue_size,
                                       long_prefill_token_threshold=self.long_prefill_token_threshold),
             device=self.device,
@@ -533,6 +543,8 @@ class EngineArgs:
         if self.admission_overcommit < 0:
             raise ConfigError("--admission-overcommit: a share of the cache, 0 or more; got "
                               f"{self.admission_overcommit}")
+        if self.admission_tail < 0:
+            raise ConfigError(f"--admission-tail: a share of the cache, 0 or more; got {self.admission_tail}")
         if self.admission_overcommit and self.admission != "reserve":
             raise ConfigError(f"--admission-overcommit applies to --admission reserve, and --admission is "
                               f"{self.admission}: drop one of them")

@@ -79,6 +79,7 @@ class EngineStats:
     prompt_tokens_external: int
     generation_tokens: int
     num_admissions_deferred: int = 0  # admission.py: a waiting request held back for KV headroom
+    num_admissions_tail: int = 0  # admission.py: one admitted past the projection, in a short tail
     kv_save_bytes: int = 0
     kv_load_bytes: int = 0
     kv_save_blocks: int = 0
@@ -596,6 +597,7 @@ class LLMEngine:
             num_total_blocks=self.kv.pool.num_usable_blocks,
             prefix_cache_queries=ss.prefix_cache_queries, prefix_cache_hits=ss.prefix_cache_hits,
             num_preemptions=ss.num_preemptions, num_admissions_deferred=ss.num_admissions_deferred,
+            num_admissions_tail=ss.num_admissions_tail,
             prompt_tokens_computed=ss.prompt_tokens_computed,
             prompt_tokens_local_hit=ss.prompt_tokens_local_hit,
             prompt_tokens_external=ss.prompt_tokens_external, generation_tokens=ss.generation_tokens,

@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
-from tandem.engine.admission import KVProjection, OutputLengthEstimate, steps_left
+from tandem.engine.admission import KVProjection, OutputLengthEstimate, steps_left, tail_fits
 from tandem.engine.config import SchedulerConfig
 from tandem.engine.kv_cache_manager import NO_NEW_BLOCKS, KVCacheManager
 from tandem.engine.kv_holds import KVHolds
@@ -55,6 +55,8 @@ class SchedulerStats:
     # Admission "reserve": times a waiting request stayed waiting because the
     # blocks projected for it and those running would not fit (admission.py).
     num_admissions_deferred: int = 0
+    # ... and times one was admitted past the projection as part of a short tail.
+    num_admissions_tail: int = 0
     # Where prompt tokens came from (requests never preempted): computed here,
     # local prefix-cache hits, the KV connector.
     prompt_tokens_computed: int = 0
@@ -80,6 +82,8 @@ class Scheduler:
             raise ValueError(f"admission must be 'reserve' or 'greedy', got {config.admission!r}")
         if config.admission_overcommit < 0:
             raise ValueError(f"admission_overcommit must be 0 or more, got {config.admission_overcommit}")
+        if config.admission_tail < 0:
+            raise ValueError(f"admission_tail must be 0 or more, got {config.admission_tail}")
         self.config = config
         self.kv = kv
         self.connector = connector
@@ -96,6 +100,8 @@ class Scheduler:
         # first admission (None: not yet this plan).
         self.output_estimate = OutputLengthEstimate() if config.admission == "reserve" else None
         self._projection: Optional[KVProjection] = None
+        self._tail: Optional[bool] = None  # this plan's verdict on the waiting queue as a tail
+        self._cache_blocks = 0  # with the projection: the blocks free and running, this plan
         self._freed: list[str] = []  # requests whose blocks went back since the last plan
         self._sampling: list[Request] = []  # the last plan's sampled entries' requests, in order
         # Speculative decoding: the last plan's draft tokens by entry index, and
@@ -187,6 +193,7 @@ class Scheduler:
         self.holds.expire()
         out = SchedulerOutput()
         self._projection = None
+        self._tail = None
         self._sampling = []
         self._entry_drafts = {}
         budget = self.config.max_num_batched_tokens
@@ -363,16 +370,28 @@ class Scheduler:
     def _fits_projection(self, request: Request, hits: list) -> bool:
         """Admission "reserve": whether the running requests' projected blocks
         (admission.py), with this request's, stay within the cache and the
-        overcommit allowed beyond it; if so the request joins the projection.
-        Shared prefix blocks it hits take nothing more."""
+        overcommit allowed beyond it, or within the tail's share more where
+        everything still waiting is a short tail; if so the request joins the
+        projection. Shared prefix blocks it hits take nothing more."""
         bs = self.kv.block_size
         projection = self._projection
         if projection is None:
-            cache = self.kv.pool.num_free_blocks + sum(len(r.block_ids) for r in self.running)
-            capacity = cache * (1.0 + self.config.admission_overcommit)
+            self._cache_blocks = self.kv.pool.num_free_blocks + sum(len(r.block_ids) for r in self.running)
+            capacity = self._cache_blocks * (1.0 + self.config.admission_overcommit)
             projection = self._projection = KVProjection(self.running, self.output_estimate, bs, capacity)
         finish = steps_left(request, self.output_estimate.expected_output(request))
-        return projection.admit(request.num_tokens - len(hits) * bs, finish)
+        tokens = request.num_tokens - len(hits) * bs
+        if projection.admit(tokens, finish):
+            return True
+        share = self.config.admission_tail
+        if self._tail is None:  # at the plan's first refusal: admissions only shrink the queue after it
+            self._tail = share > 0 and tail_fits(self.waiting, self.output_estimate, share * self._cache_blocks * bs)
+            if self._tail:
+                projection.capacity += share * self._cache_blocks
+        if self._tail and projection.admit(tokens, finish):
+            self.stats.num_admissions_tail += 1
+            return True
+        return False
 
     def _schedule_waiting_fifo(self, budget: int, out: SchedulerOutput) -> None:
         # Requests whose KV is still being fetched step aside (in order) for the

@@ -32,6 +32,7 @@ class EngineMetrics:
         "prefix_cache_hits": ("PREFIX_CACHE_HITS", {}),
         "num_preemptions": ("NUM_PREEMPTIONS", {}),
         "num_admissions_deferred": ("KV_ADMISSIONS_DEFERRED", {}),
+        "num_admissions_tail": ("KV_ADMISSIONS_TAIL", {}),
         "prompt_tokens_computed": ("PROMPT_TOKENS_BY_SOURCE", {"source": "local_compute"}),
         "prompt_tokens_local_hit": ("PROMPT_TOKENS_BY_SOURCE", {"source": "local_cache_hit"}),
         "prompt_tokens_external": ("PROMPT_TOKENS_BY_SOURCE", {"source": "external_kv_transfer"}),

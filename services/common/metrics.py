@@ -87,6 +87,11 @@ KV_ADMISSIONS_DEFERRED = Counter(
     "tandem:kv_admissions_deferred",
     "Times a waiting request stayed waiting because the KV blocks it and the running requests "
     "are projected to hold until they finish would not fit the cache (--admission reserve).", ENGINE)
+KV_ADMISSIONS_TAIL = Counter(
+    "tandem:kv_admissions_tail",
+    "Waiting requests admitted past the projection because everything still waiting fit in "
+    "--admission-tail's share of the cache (a burst's short tail, which held back would decode alone).",
+    ENGINE)
 KV_SWAPPED_OUT_BLOCKS = Counter(
     "tandem:kv_swapped_out_blocks",
     "KV blocks of preempted requests copied to the host tier (--swap-space) instead of dropped.", ENGINE)

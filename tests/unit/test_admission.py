@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from tandem.engine.admission import MIN_SAMPLES, PRIOR_TOKENS, OutputLengthEstimate
+from tandem.engine.admission import DEFAULT_TAIL, MIN_SAMPLES, PRIOR_TOKENS, OutputLengthEstimate
 from tandem.engine.config import SchedulerConfig
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.request import Request, RequestStatus, SamplingParams
@@ -19,9 +19,9 @@ BS = 16
 
 
 def make(num_blocks: int, admission: str, budget: int = 256, max_num_seqs: int = 256,
-         overcommit: float = 0.0) -> Scheduler:
+         overcommit: float = 0.0, tail: float = DEFAULT_TAIL) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, admission=admission,
-                                     admission_overcommit=overcommit),
+                                     admission_overcommit=overcommit, admission_tail=tail),
                      KVCacheManager(num_blocks, BS))
 
 
@@ -105,6 +105,40 @@ def test_an_overcommit_admits_past_the_cache_and_preemption_absorbs_the_overshoo
     assert sched.kv.pool.num_free_blocks == sched.kv.pool.num_usable_blocks
 
 
+def test_a_short_tail_is_admitted_past_the_projection_and_a_long_queue_waits():
+    # The cache of the tests above: 5 requests of 48 + 64 tokens fit (8
+    # projected blocks each at their ends). A sixth alone is a tail of 112
+    # tokens, 7 blocks: 0.175 of the 40, so a share of 0.2 admits it (48
+    # projected blocks); the default 0.1 does not.
+    def first_plan(n: int, tail: float) -> tuple[Scheduler, list[Request], int]:
+        """The scheduler after its first plan, its requests, and how many that plan started."""
+        sched = make(41, "reserve", budget=1024, tail=tail)
+        requests = [request(48, max_tokens=64) for _ in range(n)]
+        for r in requests:
+            sched.add_request(r)
+        started = len(sched.schedule().request_ids)
+        sched.update([7] * started, [None] * started, {})
+        return sched, requests, started
+
+    short, requests, started = first_plan(6, tail=0.2)
+    assert started == 6 and short.stats.num_admissions_tail == 1
+    run(short, [])
+    assert short.stats.num_admissions_deferred == 0
+    assert short.stats.num_preemptions > 0, "42 blocks for 40: preemption takes the overshoot"
+    assert all(r.status is RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 64 for r in requests)
+    assert short.kv.pool.num_free_blocks == short.kv.pool.num_usable_blocks
+    # the default share, or no tail, keeps the sixth waiting
+    for tail in (DEFAULT_TAIL, 0.0):
+        strict, _, started = first_plan(6, tail=tail)
+        assert started == 5 and strict.stats.num_admissions_tail == 0
+        assert strict.stats.num_admissions_deferred > 0
+    # three waiting (21 blocks, over half the cache) are no tail: they wait for batches of their own
+    long, _, started = first_plan(8, tail=0.2)
+    assert started == 5 and long.stats.num_admissions_tail == 0
+    run(long, [])
+    assert long.stats.num_preemptions == 0
+
+
 def test_admission_widens_once_finished_answers_turn_out_short():
     # max_tokens 512 but every answer stops at its first token (the stand-in
     # token 7 is a stop token): until MIN_SAMPLES have finished the prior
@@ -184,6 +218,10 @@ def test_admission_is_an_engine_flag_and_bad_values_are_refused():
         EngineArgs(admission_overcommit=-0.5).create_engine_config()
     with pytest.raises(ConfigError, match="--admission-overcommit applies to --admission reserve"):
         EngineArgs(admission="greedy", admission_overcommit=0.1).create_engine_config()
+    assert EngineArgs().create_engine_config().scheduler.admission_tail == DEFAULT_TAIL == 0.1
+    assert EngineArgs(admission_tail=0.0).create_engine_config().scheduler.admission_tail == 0.0
+    with pytest.raises(ConfigError, match="--admission-tail: a share of the cache"):
+        EngineArgs(admission_tail=-0.1).create_engine_config()
 
 
 @pytest.mark.parametrize("admission", ["reserve", "greedy"])

@@ -62,9 +62,10 @@ def test_bench_throughput_reports_the_roofline(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "of the roofline" in proc.stdout
-    # The engine line names the admission the run had, overcommit included.
-    assert "admission reserve, overcommit 0.1 (" in proc.stderr
-    assert json.loads(out.read_text())["engine"]["admission_overcommit"] == 0.1
+    # The engine line names the admission the run had, overcommit and tail share included.
+    assert "admission reserve, overcommit 0.1, tail 0.1 (0 deferred, 0 admitted as a tail)" in proc.stderr
+    engine = json.loads(out.read_text())["engine"]
+    assert (engine["admission_overcommit"], engine["admission_tail"], engine["admissions_tail"]) == (0.1, 0.1, 0)
     roofline = json.loads(out.read_text())["roofline"]
     tokens = json.loads(out.read_text())["results"][0]
     assert roofline["precision"] == "float32"  # the CPU engine's dtype

@@ -142,8 +142,9 @@ def engine(role, title, signal_rows):
                   "Share of looked-up prompt tokens found in the local prefix cache."),
             panel("Queue time", q("tandem:request_queue_time_seconds", role), "s"),
             panel("Preemptions per second", [(f"sum(rate(tandem:num_preemptions_total{sel(role)}[{R}]))", "preemptions"),
-                                              (f"sum(rate(tandem:kv_admissions_deferred_total{sel(role)}[{R}]))", "admissions deferred")], "short",
-                  "Requests evicted for lack of KV blocks, and times a waiting request stayed waiting because the blocks projected for it and the running requests would not fit (--admission reserve); steady preemption or deferral means too few pods."),
+                                              (f"sum(rate(tandem:kv_admissions_deferred_total{sel(role)}[{R}]))", "admissions deferred"),
+                                              (f"sum(rate(tandem:kv_admissions_tail_total{sel(role)}[{R}]))", "admitted as a tail")], "short",
+                  "Requests evicted for lack of KV blocks, times a waiting request stayed waiting because the blocks projected for it and the running requests would not fit (--admission reserve), and requests admitted past that projection as a short tail (--admission-tail); steady preemption or deferral means too few pods."),
             panel("Finished requests per second", [(f"sum by (finished_reason) (rate(tandem:request_success_total{sel(role)}[{R}]))", "{{finished_reason}}")], "reqps"),
         ]),
         ("KV transfer", [
