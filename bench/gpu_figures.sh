@@ -26,11 +26,11 @@ export PYTHONPATH=/tmp/pkg:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 # Issue 20's offline workload over an FP8 KV cache, one process a side, in the order given:
-# each argument NAME=FLAGS (nothing after "=": the defaults). Every side admits with
-# --admission-overcommit 0.1, the faster admission over that cache (greedy's run, step for step:
-# docs/benchmarks.md, the thirty-fourth session); OVERCOMMIT= (empty) runs the default's.
+# each argument NAME=FLAGS (nothing after "=": the defaults). The default admission makes
+# greedy's plan over that cache, the faster one (docs/benchmarks.md, the thirty-fourth and
+# thirty-sixth sessions); OVERCOMMIT=SHARE adds --admission-overcommit SHARE to every side.
 offline_sides() {
-  local side oc=${OVERCOMMIT-0.1}
+  local side oc=${OVERCOMMIT:-}
   for side in "$@"; do
     echo "offline, side ${side%%=*}: ${side#*=}"
     timeout 120 python -m tandem.bench.throughput --preset llama-3-8b --num-prompts 1000 --input-len 128 1024 \
