@@ -23,6 +23,7 @@ tokens, so no block hash ever names a rejected token.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -385,7 +386,8 @@ class Scheduler:
             return True
         share = self.config.admission_tail
         if self._tail is None:  # at the plan's first refusal: admissions only shrink the queue after it
-            self._tail = share > 0 and tail_fits(self.waiting, self.output_estimate, share * self._cache_blocks * bs)
+            queue = itertools.chain(self.staging, self.waiting)  # --policy srtf stages some of it
+            self._tail = share > 0 and tail_fits(queue, self.output_estimate, share * self._cache_blocks * bs)
             if self._tail:
                 projection.capacity += share * self._cache_blocks
         if self._tail and projection.admit(tokens, finish):

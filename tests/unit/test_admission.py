@@ -139,6 +139,18 @@ def test_a_short_tail_is_admitted_past_the_projection_and_a_long_queue_waits():
     assert long.stats.num_preemptions == 0
 
 
+def test_under_srtf_the_staged_requests_count_in_the_queue_a_tail_is_judged_by():
+    # --policy srtf moves all eight into its staging queue, leaving `waiting`
+    # empty: the three the cache cannot take are still no short tail.
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=256, admission="reserve",
+                                      policy="srtf", staging_queue_size=8, admission_tail=0.2),
+                      KVCacheManager(41, BS))
+    for r in [request(48, max_tokens=64) for _ in range(8)]:
+        sched.add_request(r)
+    assert len(sched.schedule().request_ids) == 5
+    assert sched.stats.num_admissions_tail == 0 and len(sched.staging) == 3 and not sched.waiting
+
+
 def test_admission_widens_once_finished_answers_turn_out_short():
     # max_tokens 512 but every answer stops at its first token (the stand-in
     # token 7 is a stop token): until MIN_SAMPLES have finished the prior
