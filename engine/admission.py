@@ -79,9 +79,10 @@ MIN_SAMPLES = 16
 DEFAULT_OVERCOMMIT = 0.0
 # The share of the cache a waiting queue may reach, all of it at its expected
 # end, and still be admitted past the projection as one short tail. 0.06 and
-# 0.1 replay alike on the three timed bursts; 0.1 is also the overcommit that
-# tied exact reserve on the H100 where a tail is not the question (a bf16
-# cache, the thirty-fourth session).
+# 0.1 replay alike on the three bursts of docs/benchmarks.md (the
+# thirty-sixth session); 0.1 is also the overcommit that tied exact reserve
+# on the H100 where a tail is not the question (a bf16 cache, the
+# thirty-fourth session).
 DEFAULT_TAIL = 0.1
 
 
