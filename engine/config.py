@@ -564,8 +564,9 @@ class EngineArgs:
             # cache, so they move them in NHD's order whatever the storage, and
             # engines of either layout share them. The direct and NIXL transfers
             # hand a peer the cache's memory itself, which a peer of the other
-            # layout would read transposed, and tensor-parallel ranks allocate
-            # theirs as NHD: not yet.
+            # layout would read transposed; tensor parallelism (its ranks'
+            # caches, their views for the connectors) has not been tried with
+            # it: not yet.
             other = [flag for flag, on in (
                 (f"--kv-transfer {self.kv_transfer}", self.kv_transfer in ("direct", "nixl")),
                 ("--tensor-parallel-size above 1", self.tensor_parallel_size > 1)) if on]
